@@ -1,0 +1,159 @@
+"""Pure-torch references for the KV cache write and paged attention (also the CPU path).
+
+KV cache layout, one tensor per layer (vLLM's):
+
+    kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim]   # 0 = K pages, 1 = V pages
+
+A token's slot is `block_id * block_size + offset`. Pages may be fp32/fp16/bf16 or FP8
+(float8_e4m3fn / float8_e5m2); FP8 pages hold `x / scale`, and readers multiply the scale back.
+A scale is a float (per tensor) or a tensor [num_kv_heads] (per KV head).
+
+The batch is flat and varlen: sequence i owns query rows
+`query_start_loc[i]:query_start_loc[i + 1]`; its query token j sits at position
+`seq_lens[i] - query_len_i + j` and attends to keys 0..that position (causal within the chunk,
+everything in earlier pages). Decode is the case query_len_i == 1.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+Scale = float | torch.Tensor
+
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def is_fp8(dtype: torch.dtype) -> bool:
+    return dtype in FP8_DTYPES
+
+
+def _head_scale(scale: Scale, like: torch.Tensor) -> Scale:
+    """A per-KV-head scale [num_kv_heads] broadcast over [..., num_kv_heads, head_dim]."""
+    if isinstance(scale, torch.Tensor) and scale.numel() > 1:
+        return scale.to(like.device, torch.float32).view(-1, 1)
+    return float(scale)
+
+
+def quantize_to_cache(x: torch.Tensor, cache_dtype: torch.dtype, scale: Scale) -> torch.Tensor:
+    """x [num_tokens, num_kv_heads, head_dim] -> page dtype; FP8 is scaled and saturated."""
+    if not is_fp8(cache_dtype):
+        return x.to(cache_dtype)
+    fmax = torch.finfo(cache_dtype).max
+    y = x.to(torch.float32) / _head_scale(scale, x)
+    return y.clamp(-fmax, fmax).to(cache_dtype)
+
+
+def dequantize_from_cache(x: torch.Tensor, dtype: torch.dtype, scale: Scale) -> torch.Tensor:
+    """Pages -> compute dtype; FP8 pages get their scale multiplied back."""
+    if not is_fp8(x.dtype):
+        return x.to(dtype)
+    return (x.to(torch.float32) * _head_scale(scale, x)).to(dtype)
+
+
+def reshape_and_cache_ref(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: Scale = 1.0,
+    v_scale: Scale = 1.0,
+) -> None:
+    """Scatter new K/V [num_tokens, num_kv_heads, head_dim] into their slots (-1 = skip)."""
+    num_blocks, block_size = kv_cache.shape[1], kv_cache.shape[2]
+    # [2, num_slots, num_kv_heads, head_dim]; FP8 goes through a byte view (index_put on CPU).
+    flat = kv_cache.view(2, num_blocks * block_size, *kv_cache.shape[3:])
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    for i, (x, scale) in enumerate(((key, k_scale), (value, v_scale))):
+        pages = quantize_to_cache(x[keep], kv_cache.dtype, scale)
+        if is_fp8(kv_cache.dtype):
+            flat[i].view(torch.uint8)[slots] = pages.view(torch.uint8)
+        else:
+            flat[i][slots] = pages
+
+
+def gather_kv(
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    max_len: int,
+    dtype: torch.dtype,
+    k_scale: Scale,
+    v_scale: Scale,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """block_table [num_seqs, max_blocks] -> K, V [num_seqs, num_kv_heads, max_len, head_dim]."""
+    block_size = kv_cache.shape[2]
+    num_blocks = -(-max_len // block_size)
+    pages = kv_cache[:, block_table[:, :num_blocks]]  # [2, S, nb, bs, kvh, d]
+    pages = pages.flatten(2, 3)[:, :, :max_len]  # [2, S, L, kvh, d]
+    k = dequantize_from_cache(pages[0], dtype, k_scale)
+    v = dequantize_from_cache(pages[1], dtype, v_scale)
+    return k.transpose(1, 2), v.transpose(1, 2)
+
+
+def _decode_attention(query, kv_cache, block_tables, seq_lens, scale, k_scale, v_scale):
+    """All sequences with one query token, in one batched call. query [S, H, D]."""
+    max_len = int(seq_lens.max())
+    k, v = gather_kv(kv_cache, block_tables, max_len, query.dtype, k_scale, v_scale)
+    pos = torch.arange(max_len, device=query.device)
+    mask = (pos[None, :] < seq_lens[:, None].to(pos.device))[:, None, None, :]  # [S, 1, 1, L]
+    q = query.unsqueeze(2)  # [S, H, 1, D]
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    return out.squeeze(2)
+
+
+def _chunk_attention(query, kv_cache, block_table, seq_len, scale, k_scale, v_scale):
+    """One sequence with a chunk of query tokens [Q, H, D] at the end of its seq_len keys."""
+    k, v = gather_kv(kv_cache, block_table[None], seq_len, query.dtype, k_scale, v_scale)
+    q = query.transpose(0, 1).unsqueeze(0)  # [1, H, Q, D]
+    q_len = query.shape[0]
+    if q_len == seq_len:
+        mask, causal = None, True
+    else:
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
+        k_pos = torch.arange(seq_len, device=query.device)
+        mask, causal = k_pos[None, :] <= q_pos[:, None], False
+    out = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True
+    )
+    return out[0].transpose(0, 1)
+
+
+def paged_attention_ref(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    k_scale: Scale = 1.0,
+    v_scale: Scale = 1.0,
+) -> torch.Tensor:
+    """query [num_tokens, num_heads, head_dim] -> out [num_tokens, num_heads, head_dim].
+
+    Decode rows are batched into one call; each prompt chunk runs on its own.
+    """
+    out = torch.empty_like(query)
+    starts = query_start_loc.tolist()
+    query_lens = [b - a for a, b in zip(starts[:-1], starts[1:])]
+    decode = [i for i, n in enumerate(query_lens) if n == 1]
+    if decode:
+        rows = torch.tensor([starts[i] for i in decode], device=query.device)
+        idx = torch.tensor(decode, device=query.device)
+        out[rows] = _decode_attention(
+            query[rows], kv_cache, block_tables[idx], seq_lens[idx], scale, k_scale, v_scale
+        )
+    seq_lens_list = seq_lens.tolist()
+    for i, n in enumerate(query_lens):
+        if n > 1:
+            a = starts[i]
+            out[a : a + n] = _chunk_attention(
+                query[a : a + n],
+                kv_cache,
+                block_tables[i],
+                seq_lens_list[i],
+                scale,
+                k_scale,
+                v_scale,
+            )
+    return out

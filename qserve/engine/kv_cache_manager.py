@@ -1,0 +1,118 @@
+"""Hands out KV cache blocks to requests: blocks or None, never an exception on "full"."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from qserve.engine.block_pool import BlockHash, BlockPool, KVCacheBlock, hash_block_tokens
+from qserve.engine.request import Request
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass
+class PrefixCacheStats:
+    queries: int = 0  # prompt tokens looked up
+    hits: int = 0  # of those, found in the cache
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.block_pool = BlockPool(num_blocks, enable_caching)
+        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        self.req_to_block_hashes: dict[str, list[BlockHash]] = {}
+        self.num_cached_block: dict[str, int] = {}
+        self.prefix_cache_stats = PrefixCacheStats()
+
+    @property
+    def usage(self) -> float:
+        return self.block_pool.get_usage()
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self.req_to_blocks.get(request_id, [])]
+
+    def block_hashes(self, request: Request) -> list[BlockHash]:
+        """Hashes of the request's full blocks so far, extended as tokens arrive."""
+        hashes = self.req_to_block_hashes.setdefault(request.request_id, [])
+        bs = self.block_size
+        for i in range(len(hashes), request.num_tokens // bs):
+            parent = hashes[-1] if hashes else None
+            hashes.append(hash_block_tokens(parent, request.all_token_ids[i * bs : (i + 1) * bs]))
+        return hashes
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+        """The longest cached prefix of the request's full blocks, and its length in tokens.
+
+        At least one token is always left to compute, so the request produces logits."""
+        if not self.enable_caching:
+            return [], 0
+        hits: list[KVCacheBlock] = []
+        for block_hash in self.block_hashes(request):
+            block = self.block_pool.get_cached_block(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        if hits and len(hits) * self.block_size >= request.num_tokens:
+            hits.pop()
+        num_computed_tokens = len(hits) * self.block_size
+        self.prefix_cache_stats.queries += request.num_tokens
+        self.prefix_cache_stats.hits += num_computed_tokens
+        return hits, num_computed_tokens
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        new_computed_blocks: Sequence[KVCacheBlock] = (),
+    ) -> list[KVCacheBlock] | None:
+        """Make room for `num_new_tokens` more tokens after the computed ones.
+
+        Returns the newly allocated blocks, or None (nothing changed) when too few are free."""
+        req_blocks = self.req_to_blocks.setdefault(request.request_id, [])
+        num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
+        num_required = cdiv(num_computed + num_new_tokens, self.block_size)
+        num_new_blocks = num_required - len(req_blocks) - len(new_computed_blocks)
+        # Hits that are currently free leave the free queue when touched.
+        num_free_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+        if num_new_blocks > self.block_pool.get_num_free_blocks() - num_free_hits:
+            return None
+        self.block_pool.touch(new_computed_blocks)
+        req_blocks.extend(new_computed_blocks)
+        new_blocks = self.block_pool.get_new_blocks(max(num_new_blocks, 0))
+        req_blocks.extend(new_blocks)
+        self._cache_full_blocks(request, num_computed + num_new_tokens)
+        return new_blocks
+
+    def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
+        """Register blocks that are full once this step's tokens are written."""
+        if not self.enable_caching:
+            return
+        num_full = min(num_tokens, request.num_tokens) // self.block_size
+        start = self.num_cached_block.get(request.request_id, 0)
+        if num_full <= start:
+            return
+        hashes = self.block_hashes(request)
+        blocks = self.req_to_blocks[request.request_id]
+        for i in range(start, num_full):
+            self.block_pool.cache_full_block(blocks[i], hashes[i])
+        self.num_cached_block[request.request_id] = num_full
+
+    def free(self, request: Request) -> None:
+        """Release a finished or preempted request's blocks, tail first (evicted first)."""
+        blocks = self.req_to_blocks.pop(request.request_id, [])
+        self.block_pool.free_blocks(reversed(blocks))
+        self.num_cached_block.pop(request.request_id, None)
+
+    def forget(self, request: Request) -> None:
+        """Drop per-request bookkeeping once a request has finished for good."""
+        self.free(request)
+        self.req_to_block_hashes.pop(request.request_id, None)

@@ -1,0 +1,272 @@
+"""The engine: schedule, run the model, sample, detokenize; one `step()` at a time."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from qserve.config import EngineConfig
+from qserve.engine.detokenizer import IncrementalDetokenizer
+from qserve.engine.kv_cache_manager import KVCacheManager
+from qserve.engine.model_runner import KVCacheSpec, ModelRunner, SampledToken
+from qserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from qserve.engine.request import Request, RequestStatus
+from qserve.engine.sampler import Logprobs, make_generator
+from qserve.engine.sampling_params import SamplingParams
+from qserve.engine.scheduler import Scheduler, SchedulerConfig
+from qserve.errors import QServeError
+from qserve.kernels.attention_ref import is_fp8
+from qserve.model.config import ModelConfig
+from qserve.model.loader import load_model, load_tokenizer
+from qserve.model.resolve import resolve_model
+
+logger = logging.getLogger("qserve")
+
+
+@dataclass
+class SampleState:
+    """One of a request's n samples: its own scheduler request and detokenizer."""
+
+    index: int
+    request: Request
+    detokenizer: IncrementalDetokenizer
+    logprobs: list[Logprobs] | None
+    num_sent_tokens: int = 0
+
+
+@dataclass
+class RequestState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    samples: list[SampleState]
+    metrics: RequestMetrics
+    finished_samples: set[int] = field(default_factory=set)
+
+    @property
+    def finished(self) -> bool:
+        return len(self.finished_samples) == len(self.samples)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        path = resolve_model(config.model)
+        self.model_config = ModelConfig.from_pretrained(path)
+        self.dtype = config.torch_dtype(self.model_config.torch_dtype)
+        model, _ = load_model(path, self.dtype, config.device)
+        self.tokenizer = load_tokenizer(path)
+        self.eos_token_ids = self.model_config.eos_token_ids
+        kv_spec = self._kv_cache_spec()
+        self.max_model_len = self._max_model_len(kv_spec)
+        self.scheduler = Scheduler(
+            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len),
+            KVCacheManager(kv_spec.num_blocks, kv_spec.block_size, config.enable_prefix_caching),
+        )
+        self.model_runner = ModelRunner(model, self.model_config, kv_spec, config.device)
+        self.requests: dict[str, RequestState] = {}
+        self._child_to_parent: dict[str, RequestState] = {}
+        self._log_startup(path, kv_spec)
+
+    def _kv_cache_spec(self) -> KVCacheSpec:
+        kv_dtype = self.config.kv_torch_dtype(self.dtype)
+        spec = KVCacheSpec.from_memory(
+            self.model_config, self.config.kv_cache_memory_bytes, self.config.block_size, kv_dtype
+        )
+        if spec.num_blocks < 1:
+            raise QServeError(
+                f"kv_cache_memory {self.config.kv_cache_memory} is smaller than one KV block "
+                f"({spec.bytes_per_block} bytes)"
+            )
+        if is_fp8(kv_dtype):
+            logger.warning("FP8 KV cache without calibrated scales: using k_scale = v_scale = 1.0")
+        return spec
+
+    def _max_model_len(self, kv_spec: KVCacheSpec) -> int:
+        """The model's context, capped by what the KV cache holds; an explicit longer one fails."""
+        wanted = self.config.max_model_len
+        if wanted is not None and wanted > kv_spec.num_tokens:
+            raise QServeError(
+                f"max_model_len {wanted} needs more KV cache than kv_cache_memory "
+                f"{self.config.kv_cache_memory} holds ({kv_spec.num_tokens} tokens)"
+            )
+        limit = wanted or self.model_config.max_position_embeddings
+        return min(limit, self.model_config.max_position_embeddings, kv_spec.num_tokens)
+
+    def _log_startup(self, path: Any, kv_spec: KVCacheSpec) -> None:
+        gib = kv_spec.num_blocks * kv_spec.bytes_per_block / 2**30
+        logger.info(
+            "model %s (%s, %s) on %s; KV cache: %d blocks x %d tokens = %d tokens "
+            "(%.2f GiB, %s); max_model_len %d",
+            path, self.model_config.architecture, str(self.dtype).removeprefix("torch."),
+            self.config.device, kv_spec.num_blocks, kv_spec.block_size, kv_spec.num_tokens, gib,
+            str(kv_spec.dtype).removeprefix("torch."), self.max_model_len,
+        )
+
+    # -- requests ------------------------------------------------------------------------------
+
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt)
+        return list(prompt)
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        arrival_time: float | None = None,
+    ) -> None:
+        if request_id in self.requests:
+            raise QServeError(f"request id {request_id!r} is already in use", param="request_id")
+        prompt_ids = self.tokenize(prompt)
+        self._check_prompt(prompt_ids)
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        samples = [self._new_sample(request_id, i, prompt_ids, params, arrival)
+                   for i in range(params.n)]
+        state = RequestState(request_id, prompt if isinstance(prompt, str) else None, prompt_ids,
+                             samples, RequestMetrics(arrival))
+        self.requests[request_id] = state
+        for sample in samples:
+            self._child_to_parent[sample.request.request_id] = state
+            self.scheduler.add_request(sample.request)
+
+    def _check_prompt(self, prompt_ids: list[int]) -> None:
+        if not prompt_ids:
+            raise QServeError("the prompt is empty", param="prompt")
+        if len(prompt_ids) >= self.max_model_len:
+            raise QServeError(
+                f"the prompt has {len(prompt_ids)} tokens; this model's context is "
+                f"{self.max_model_len} tokens (max_model_len), prompt and output together",
+                param="prompt",
+            )
+        vocab = self.model_config.vocab_size
+        if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
+            raise QServeError(f"prompt token ids must be in [0, {vocab})", param="prompt")
+
+    def _new_sample(
+        self, request_id: str, index: int, prompt_ids: list[int], params: SamplingParams,
+        arrival: float,
+    ) -> SampleState:
+        child_params = params.child_params(index) if params.n > 1 else params
+        child_id = request_id if params.n == 1 else f"{index}_{request_id}"
+        request = Request(
+            child_id, prompt_ids, child_params, self.eos_token_ids, self.max_model_len,
+            make_generator(child_params, self.config.device), arrival,
+        )
+        detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_ids, child_params)
+        logprobs = [] if child_params.logprobs is not None else None
+        return SampleState(index, request, detokenizer, logprobs)
+
+    def abort_request(self, request_ids: str | list[str]) -> None:
+        """Finish requests now and free their blocks (a client went away)."""
+        ids = [request_ids] if isinstance(request_ids, str) else request_ids
+        for request_id in ids:
+            state = self.requests.pop(request_id, None)
+            if state is None:
+                continue
+            children = [s.request.request_id for s in state.samples]
+            self.scheduler.finish_requests(children, RequestStatus.FINISHED_ABORTED)
+            for child in children:
+                self._child_to_parent.pop(child, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # -- the loop ------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            return []
+        sampled = self.model_runner.execute_model(out)
+        token_ids = {req_id: s.token_id for req_id, s in sampled.items()}
+        updated = self.scheduler.update_from_output(out, token_ids)
+        return self._process_outputs(updated, sampled)
+
+    def _process_outputs(
+        self, updated: list[Request], sampled: dict[str, SampledToken]
+    ) -> list[RequestOutput]:
+        now = time.monotonic()
+        touched: dict[str, RequestState] = {}
+        for request in updated:
+            state = self._child_to_parent[request.request_id]
+            self._update_sample(state, state.samples[self._index_of(state, request)],
+                                sampled[request.request_id])
+            touched[state.request_id] = state
+        outputs = []
+        for state in touched.values():
+            state.metrics.first_token_time = state.metrics.first_token_time or now
+            state.metrics.last_token_time = now
+            if state.finished:
+                state.metrics.finished_time = now
+                self._forget(state)
+            outputs.append(self._make_output(state))
+        return outputs
+
+    @staticmethod
+    def _index_of(state: RequestState, request: Request) -> int:
+        return next(s.index for s in state.samples if s.request is request)
+
+    def _update_sample(self, state: RequestState, sample: SampleState, token: SampledToken) -> None:
+        request = sample.request
+        stop_terminated = request.status == RequestStatus.FINISHED_STOPPED
+        stop_string = sample.detokenizer.update([token.token_id], stop_terminated)
+        if stop_string is not None and not request.is_finished:
+            self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_STOPPED)
+            request.stop_reason = stop_string
+        if sample.logprobs is not None and token.logprobs is not None:
+            sample.logprobs.append(token.logprobs)
+        if request.is_finished:
+            state.finished_samples.add(sample.index)
+
+    def _forget(self, state: RequestState) -> None:
+        self.requests.pop(state.request_id, None)
+        for sample in state.samples:
+            self._child_to_parent.pop(sample.request.request_id, None)
+
+    def _make_output(self, state: RequestState) -> RequestOutput:
+        return RequestOutput(
+            request_id=state.request_id,
+            prompt=state.prompt,
+            prompt_token_ids=state.prompt_token_ids,
+            outputs=[self._completion(s) for s in state.samples],
+            finished=state.finished,
+            metrics=state.metrics,
+        )
+
+    @staticmethod
+    def _completion(sample: SampleState) -> CompletionOutput:
+        request, detok = sample.request, sample.detokenizer
+        finished = request.is_finished
+        token_ids = list(request.output_token_ids)
+        delta_ids = token_ids[sample.num_sent_tokens :]
+        sample.num_sent_tokens = len(token_ids)
+        return CompletionOutput(
+            index=sample.index,
+            text=detok.get_next_output_text(finished, delta=False),
+            token_ids=token_ids,
+            delta_text=detok.get_next_output_text(finished, delta=True),
+            delta_token_ids=delta_ids,
+            logprobs=list(sample.logprobs) if sample.logprobs is not None else None,
+            finish_reason=request.get_finished_reason(),
+            stop_reason=request.stop_reason,
+        )
+
+    # -- stats ---------------------------------------------------------------------------------
+
+    def get_stats(self) -> dict[str, float]:
+        kv = self.scheduler.kv_cache_manager
+        return {
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+            "kv_cache_usage": kv.usage,
+            "prefix_cache_hit_rate": kv.prefix_cache_stats.hit_rate,
+            "num_preemptions": self.scheduler.num_preemptions,
+        }

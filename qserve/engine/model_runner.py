@@ -1,0 +1,142 @@
+"""The only place that builds tensors: a flat varlen batch in, one sampled token per request out."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+from torch import nn
+
+from qserve.engine.sampler import Logprobs, Sampler, SamplingMetadata
+from qserve.engine.scheduler import ScheduledRequest, SchedulerOutput
+from qserve.model.attention import AttentionMetadata, make_kv_cache
+from qserve.model.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    num_blocks: int
+    block_size: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    @property
+    def bytes_per_block(self) -> int:
+        """K and V, every layer: 2 x block_size x num_kv_heads x head_dim x dtype bytes x layers."""
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.block_size * self.num_kv_heads * self.head_dim * elem * self.num_layers
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @classmethod
+    def from_memory(
+        cls, config: ModelConfig, memory: int, block_size: int, dtype: torch.dtype
+    ) -> KVCacheSpec:
+        spec = cls(0, block_size, config.num_hidden_layers, config.num_key_value_heads,
+                   config.head_dim, dtype)
+        return replace(spec, num_blocks=memory // spec.bytes_per_block)
+
+
+@dataclass
+class ModelInput:
+    input_ids: torch.Tensor  # int64 [num_tokens]
+    positions: torch.Tensor  # int64 [num_tokens]
+    attn_metadata: AttentionMetadata
+    logits_indices: torch.Tensor  # int64 [num_sampling_rows]: last token of each sampling request
+    sampling_rows: list[ScheduledRequest]
+
+
+@dataclass
+class SampledToken:
+    token_id: int
+    logprobs: Logprobs | None
+
+
+class ModelRunner:
+    def __init__(
+        self, model: nn.Module, model_config: ModelConfig, kv_spec: KVCacheSpec, device: str
+    ) -> None:
+        self.model = model
+        self.model_config = model_config
+        self.kv_spec = kv_spec
+        self.device = torch.device(device)
+        self.kv_caches = [
+            make_kv_cache(kv_spec.num_blocks, kv_spec.block_size, kv_spec.num_kv_heads,
+                          kv_spec.head_dim, kv_spec.dtype, device)
+            for _ in range(kv_spec.num_layers)
+        ]
+        self.sampler = Sampler()
+
+    @torch.inference_mode()
+    def execute_model(self, out: SchedulerOutput) -> dict[str, SampledToken]:
+        """Run one step; returns a token for each request that reached its last known token."""
+        batch = self.prepare_inputs(out.scheduled)
+        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attn_metadata)
+        if not batch.sampling_rows:
+            return {}
+        logits = self.model.compute_logits(hidden[batch.logits_indices])
+        return self.sample(logits, batch.sampling_rows)
+
+    def prepare_inputs(self, scheduled: list[ScheduledRequest]) -> ModelInput:
+        bs = self.kv_spec.block_size
+        query_lens = [s.num_new_tokens for s in scheduled]
+        seq_lens = [s.num_computed_tokens + s.num_new_tokens for s in scheduled]
+        token_ids: list[int] = []
+        positions: list[int] = []
+        for s, end in zip(scheduled, seq_lens):
+            token_ids += s.request.all_token_ids[s.num_computed_tokens : end]
+            positions += range(s.num_computed_tokens, end)
+        block_tables = self._block_tables(scheduled)
+        pos = torch.tensor(positions, dtype=torch.int64)
+        seq_idx = torch.repeat_interleave(torch.arange(len(scheduled)), torch.tensor(query_lens))
+        slot_mapping = block_tables[seq_idx, pos // bs].to(torch.int64) * bs + pos % bs
+        query_start_loc = torch.zeros(len(scheduled) + 1, dtype=torch.int32)
+        query_start_loc[1:] = torch.cumsum(torch.tensor(query_lens), 0)
+        rows = [i for i, s in enumerate(scheduled) if s.samples]
+        md = AttentionMetadata(
+            slot_mapping=slot_mapping.to(self.device),
+            block_tables=block_tables.to(self.device),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=self.device),
+            query_start_loc=query_start_loc.to(self.device),
+            seq_lens_cpu=seq_lens,
+            query_lens_cpu=query_lens,
+        )
+        return ModelInput(
+            input_ids=torch.tensor(token_ids, dtype=torch.int64, device=self.device),
+            positions=pos.to(self.device),
+            attn_metadata=md,
+            logits_indices=(query_start_loc[1:][rows] - 1).to(torch.int64).to(self.device),
+            sampling_rows=[scheduled[i] for i in rows],
+        )
+
+    @staticmethod
+    def _block_tables(scheduled: list[ScheduledRequest]) -> torch.Tensor:
+        """int32 [num_seqs, max_blocks], padded with block 0 (never read past seq_lens)."""
+        width = max(len(s.block_ids) for s in scheduled)
+        table = torch.zeros(len(scheduled), width, dtype=torch.int32)
+        for i, s in enumerate(scheduled):
+            table[i, : len(s.block_ids)] = torch.tensor(s.block_ids, dtype=torch.int32)
+        return table
+
+    def sample(self, logits: torch.Tensor, rows: list[ScheduledRequest]) -> dict[str, SampledToken]:
+        requests = [s.request for s in rows]
+        generators = {i: r.generator for i, r in enumerate(requests) if r.generator is not None}
+        metadata = SamplingMetadata.from_requests(
+            [r.sampling_params for r in requests],
+            [r.prompt_token_ids for r in requests],
+            [r.output_token_ids for r in requests],
+            generators,
+            requests[0].eos_token_ids,
+            logits.shape[-1],
+            self.device,
+        )
+        result = self.sampler(logits, metadata)
+        logprobs = result.logprobs or [None] * len(requests)
+        return {
+            r.request_id: SampledToken(t, lp)
+            for r, t, lp in zip(requests, result.sampled_token_ids, logprobs)
+        }

@@ -1,0 +1,108 @@
+"""A request as the scheduler sees it: token ids catching up through num_computed_tokens."""
+
+from __future__ import annotations
+
+import enum
+import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+    from qserve.engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()
+    # Everything after this point is finished.
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH_CAPPED = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+
+    @staticmethod
+    def is_finished(status: RequestStatus) -> bool:
+        return status > RequestStatus.PREEMPTED
+
+    @staticmethod
+    def finish_reason(status: RequestStatus) -> str | None:
+        return _FINISH_REASONS.get(status)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH_CAPPED: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+class Request:
+    """One sequence to generate. There is no prefill or decode mode: each step the scheduler
+    gives the request a number of tokens so that `num_computed_tokens` catches up with
+    `num_tokens` (prompt + outputs so far)."""
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        eos_token_ids: list[int] | None = None,
+        max_model_len: int | None = None,
+        generator: torch.Generator | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.eos_token_ids = list(eos_token_ids or [])
+        self.max_model_len = max_model_len
+        self.generator = generator
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.output_token_ids: list[int] = []
+        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.status = RequestStatus.WAITING
+        self.stop_reason: int | str | None = None
+        self.num_preemptions = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return RequestStatus.is_finished(self.status)
+
+    def append_output_token_ids(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    def get_finished_reason(self) -> str | None:
+        return RequestStatus.finish_reason(self.status)
+
+    def check_stop(self) -> bool:
+        """After a token was appended: stop on EOS, a stop token id, max_tokens or the context
+        limit. Stop strings are checked by the detokenizer, which aborts the request."""
+        params = self.sampling_params
+        last = self.output_token_ids[-1]
+        if (not params.ignore_eos and last in self.eos_token_ids) or last in params.stop_token_ids:
+            if self.num_output_tokens >= params.min_tokens:
+                self.status = RequestStatus.FINISHED_STOPPED
+                self.stop_reason = None if last in self.eos_token_ids else last
+                return True
+        max_tokens = params.max_tokens
+        if (max_tokens is not None and self.num_output_tokens >= max_tokens) or (
+            self.max_model_len is not None and self.num_tokens >= self.max_model_len
+        ):
+            self.status = RequestStatus.FINISHED_LENGTH_CAPPED
+            return True
+        return False

@@ -1,0 +1,1 @@
+"""Quantization algorithms, calibration driver and exporters. Installed as `qserve.quantize`."""

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
 import sys
@@ -41,24 +40,49 @@ def engine_options(func: Callable[..., Any]) -> Callable[..., Any]:
     """Options shared by every command that runs the engine (generate, serve, eval)."""
     options = [
         click.argument("model", required=False),
-        click.option("--dtype", default="auto", show_default=True,
-                     type=click.Choice(["auto", "float32", "bfloat16", "float16"]),
-                     help="Activation dtype; auto runs fp32 checkpoints in bf16."),
+        click.option(
+            "--dtype",
+            default="auto",
+            show_default=True,
+            type=click.Choice(["auto", "float32", "bfloat16", "float16"]),
+            help="Activation dtype; auto runs fp32 checkpoints in bf16.",
+        ),
         click.option("--device", default="cpu", show_default=True),
-        click.option("--kv-cache-memory", default="1GiB", show_default=True,
-                     help="Memory for KV pages, e.g. 2GiB, 512MiB."),
-        click.option("--kv-cache-dtype", default="auto", show_default=True,
-                     type=click.Choice(["auto", "fp8_e4m3", "fp8_e5m2"])),
-        click.option("--block-size", default=16, show_default=True, type=click.IntRange(1),
-                     help="Tokens per KV block."),
+        click.option(
+            "--kv-cache-memory",
+            default="1GiB",
+            show_default=True,
+            help="Memory for KV pages, e.g. 2GiB, 512MiB.",
+        ),
+        click.option(
+            "--kv-cache-dtype",
+            default="auto",
+            show_default=True,
+            type=click.Choice(["auto", "fp8_e4m3", "fp8_e5m2"]),
+        ),
+        click.option(
+            "--block-size",
+            default=16,
+            show_default=True,
+            type=click.IntRange(1),
+            help="Tokens per KV block.",
+        ),
         click.option("--max-num-seqs", default=64, show_default=True, type=click.IntRange(1)),
-        click.option("--max-num-batched-tokens", default=2048, show_default=True,
-                     type=click.IntRange(1), help="Token budget of one step."),
-        click.option("--max-model-len", default=None, type=click.IntRange(2),
-                     help="Context limit (prompt + output); default: the model's."),
+        click.option(
+            "--max-num-batched-tokens",
+            default=2048,
+            show_default=True,
+            type=click.IntRange(1),
+            help="Token budget of one step.",
+        ),
+        click.option(
+            "--max-model-len",
+            default=None,
+            type=click.IntRange(2),
+            help="Context limit (prompt + output); default: the model's.",
+        ),
         click.option("--no-prefix-caching", is_flag=True, help="Disable prefix caching."),
-        click.option("--threads", default=None, type=click.IntRange(1),
-                     help="torch CPU threads."),
+        click.option("--threads", default=None, type=click.IntRange(1), help="torch CPU threads."),
     ]
     for option in reversed(options):
         func = option(func)
@@ -69,18 +93,30 @@ def engine_config(**kw: Any) -> Any:
     from qserve.config import EngineConfig
 
     return EngineConfig(
-        model=kw["model"], dtype=kw["dtype"], device=kw["device"],
-        kv_cache_memory=kw["kv_cache_memory"], kv_cache_dtype=kw["kv_cache_dtype"],
-        block_size=kw["block_size"], max_num_seqs=kw["max_num_seqs"],
-        max_num_batched_tokens=kw["max_num_batched_tokens"], max_model_len=kw["max_model_len"],
-        enable_prefix_caching=not kw["no_prefix_caching"], num_threads=kw["threads"],
+        model=kw["model"],
+        dtype=kw["dtype"],
+        device=kw["device"],
+        kv_cache_memory=kw["kv_cache_memory"],
+        kv_cache_dtype=kw["kv_cache_dtype"],
+        block_size=kw["block_size"],
+        max_num_seqs=kw["max_num_seqs"],
+        max_num_batched_tokens=kw["max_num_batched_tokens"],
+        max_model_len=kw["max_model_len"],
+        enable_prefix_caching=not kw["no_prefix_caching"],
+        num_threads=kw["threads"],
     )
 
 
 @cli.command()
 @engine_options
-@click.option("-p", "--prompt", "prompts", multiple=True, required=True,
-              help="Prompt text; repeat for a batch.")
+@click.option(
+    "-p",
+    "--prompt",
+    "prompts",
+    multiple=True,
+    required=True,
+    help="Prompt text; repeat for a batch.",
+)
 @click.option("--max-tokens", default=64, show_default=True, type=click.IntRange(1))
 @click.option("--temperature", default=0.0, show_default=True, type=float)
 @click.option("--top-p", default=1.0, show_default=True, type=float)
@@ -90,16 +126,32 @@ def engine_config(**kw: Any) -> Any:
 @click.option("--stop", multiple=True, help="Stop string; repeatable.")
 @click.option("--ignore-eos", is_flag=True)
 @click.option("--json", "as_json", is_flag=True, help="Print results as JSON.")
-def generate(prompts: tuple[str, ...], max_tokens: int, temperature: float, top_p: float,
-             top_k: int, min_p: float, seed: int | None, stop: tuple[str, ...],
-             ignore_eos: bool, as_json: bool, **engine_kw: Any) -> None:
+def generate(
+    prompts: tuple[str, ...],
+    max_tokens: int,
+    temperature: float,
+    top_p: float,
+    top_k: int,
+    min_p: float,
+    seed: int | None,
+    stop: tuple[str, ...],
+    ignore_eos: bool,
+    as_json: bool,
+    **engine_kw: Any,
+) -> None:
     """Generate text for one or more prompts (MODEL defaults to smollm2-135m)."""
     from qserve.engine.llm_engine import LLMEngine
     from qserve.engine.sampling_params import SamplingParams
 
     params = SamplingParams(
-        max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
-        seed=seed, stop=list(stop), ignore_eos=ignore_eos,
+        max_tokens=max_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        min_p=min_p,
+        seed=seed,
+        stop=list(stop),
+        ignore_eos=ignore_eos,
     )
     engine = LLMEngine(engine_config(**engine_kw))
     for i, prompt in enumerate(prompts):
@@ -129,8 +181,11 @@ def _run_to_completion(engine: Any, stream: bool) -> dict[str, Any]:
 def _as_dict(out: Any) -> dict[str, Any]:
     o = out.outputs[0]
     return {
-        "prompt": out.prompt, "text": o.text, "token_ids": o.token_ids,
-        "finish_reason": o.finish_reason, "prompt_tokens": len(out.prompt_token_ids),
+        "prompt": out.prompt,
+        "text": o.text,
+        "token_ids": o.token_ids,
+        "finish_reason": o.finish_reason,
+        "prompt_tokens": len(out.prompt_token_ids),
     }
 
 

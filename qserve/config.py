@@ -10,9 +10,16 @@ import torch
 from qserve.errors import QServeError
 
 _UNITS = {
-    "": 1, "b": 1,
-    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
 }
 _MEMORY = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 
@@ -68,8 +75,10 @@ class EngineConfig:
         dtype on CPUs with AMX/AVX-512 BF16 and on GPUs)."""
         if self.dtype != "auto":
             return DTYPES[self.dtype]
-        return checkpoint_dtype if checkpoint_dtype in (torch.bfloat16, torch.float16) else (
-            torch.bfloat16
+        return (
+            checkpoint_dtype
+            if checkpoint_dtype in (torch.bfloat16, torch.float16)
+            else (torch.bfloat16)
         )
 
     def kv_torch_dtype(self, model_dtype: torch.dtype) -> torch.dtype:

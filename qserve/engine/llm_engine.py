@@ -104,9 +104,16 @@ class LLMEngine:
         logger.info(
             "model %s (%s, %s) on %s; KV cache: %d blocks x %d tokens = %d tokens "
             "(%.2f GiB, %s); max_model_len %d",
-            path, self.model_config.architecture, str(self.dtype).removeprefix("torch."),
-            self.config.device, kv_spec.num_blocks, kv_spec.block_size, kv_spec.num_tokens, gib,
-            str(kv_spec.dtype).removeprefix("torch."), self.max_model_len,
+            path,
+            self.model_config.architecture,
+            str(self.dtype).removeprefix("torch."),
+            self.config.device,
+            kv_spec.num_blocks,
+            kv_spec.block_size,
+            kv_spec.num_tokens,
+            gib,
+            str(kv_spec.dtype).removeprefix("torch."),
+            self.max_model_len,
         )
 
     # -- requests ------------------------------------------------------------------------------
@@ -128,10 +135,16 @@ class LLMEngine:
         prompt_ids = self.tokenize(prompt)
         self._check_prompt(prompt_ids)
         arrival = time.monotonic() if arrival_time is None else arrival_time
-        samples = [self._new_sample(request_id, i, prompt_ids, params, arrival)
-                   for i in range(params.n)]
-        state = RequestState(request_id, prompt if isinstance(prompt, str) else None, prompt_ids,
-                             samples, RequestMetrics(arrival))
+        samples = [
+            self._new_sample(request_id, i, prompt_ids, params, arrival) for i in range(params.n)
+        ]
+        state = RequestState(
+            request_id,
+            prompt if isinstance(prompt, str) else None,
+            prompt_ids,
+            samples,
+            RequestMetrics(arrival),
+        )
         self.requests[request_id] = state
         for sample in samples:
             self._child_to_parent[sample.request.request_id] = state
@@ -151,14 +164,23 @@ class LLMEngine:
             raise QServeError(f"prompt token ids must be in [0, {vocab})", param="prompt")
 
     def _new_sample(
-        self, request_id: str, index: int, prompt_ids: list[int], params: SamplingParams,
+        self,
+        request_id: str,
+        index: int,
+        prompt_ids: list[int],
+        params: SamplingParams,
         arrival: float,
     ) -> SampleState:
         child_params = params.child_params(index) if params.n > 1 else params
         child_id = request_id if params.n == 1 else f"{index}_{request_id}"
         request = Request(
-            child_id, prompt_ids, child_params, self.eos_token_ids, self.max_model_len,
-            make_generator(child_params, self.config.device), arrival,
+            child_id,
+            prompt_ids,
+            child_params,
+            self.eos_token_ids,
+            self.max_model_len,
+            make_generator(child_params, self.config.device),
+            arrival,
         )
         detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_ids, child_params)
         logprobs = [] if child_params.logprobs is not None else None
@@ -197,8 +219,9 @@ class LLMEngine:
         touched: dict[str, RequestState] = {}
         for request in updated:
             state = self._child_to_parent[request.request_id]
-            self._update_sample(state, state.samples[self._index_of(state, request)],
-                                sampled[request.request_id])
+            self._update_sample(
+                state, state.samples[self._index_of(state, request)], sampled[request.request_id]
+            )
             touched[state.request_id] = state
         outputs = []
         for state in touched.values():

@@ -36,8 +36,14 @@ class KVCacheSpec:
     def from_memory(
         cls, config: ModelConfig, memory: int, block_size: int, dtype: torch.dtype
     ) -> KVCacheSpec:
-        spec = cls(0, block_size, config.num_hidden_layers, config.num_key_value_heads,
-                   config.head_dim, dtype)
+        spec = cls(
+            0,
+            block_size,
+            config.num_hidden_layers,
+            config.num_key_value_heads,
+            config.head_dim,
+            dtype,
+        )
         return replace(spec, num_blocks=memory // spec.bytes_per_block)
 
 
@@ -65,8 +71,14 @@ class ModelRunner:
         self.kv_spec = kv_spec
         self.device = torch.device(device)
         self.kv_caches = [
-            make_kv_cache(kv_spec.num_blocks, kv_spec.block_size, kv_spec.num_kv_heads,
-                          kv_spec.head_dim, kv_spec.dtype, device)
+            make_kv_cache(
+                kv_spec.num_blocks,
+                kv_spec.block_size,
+                kv_spec.num_kv_heads,
+                kv_spec.head_dim,
+                kv_spec.dtype,
+                device,
+            )
             for _ in range(kv_spec.num_layers)
         ]
         self.sampler = Sampler()

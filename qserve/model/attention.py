@@ -40,7 +40,9 @@ def make_kv_cache(
     device: str | torch.device = "cpu",
 ) -> torch.Tensor:
     """One layer's pages: [2, num_blocks, block_size, num_kv_heads, head_dim] (K then V)."""
-    return torch.zeros(2, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
+    return torch.zeros(
+        2, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device
+    )
 
 
 class Attention(nn.Module):
@@ -76,7 +78,13 @@ class Attention(nn.Module):
         md = attn_metadata
         ops.reshape_and_cache(k, v, kv_cache, md.slot_mapping, self.k_scale, self.v_scale)
         out = ops.paged_attention(
-            q, kv_cache, md.block_tables, md.seq_lens, md.query_start_loc, self.scale,
-            self.k_scale, self.v_scale,
+            q,
+            kv_cache,
+            md.block_tables,
+            md.seq_lens,
+            md.query_start_loc,
+            self.scale,
+            self.k_scale,
+            self.v_scale,
         )
         return out.reshape(num_tokens, self.num_heads * self.head_dim)

@@ -1,4 +1,9 @@
-from qserve.engine.block_pool import BlockPool, FreeKVCacheBlockQueue, KVCacheBlock, hash_block_tokens
+from qserve.engine.block_pool import (
+    BlockPool,
+    FreeKVCacheBlockQueue,
+    KVCacheBlock,
+    hash_block_tokens,
+)
 
 
 def free_ids(pool: BlockPool) -> list[int]:

@@ -5,8 +5,9 @@ from qserve.engine.scheduler import Scheduler, SchedulerConfig
 
 
 def make_scheduler(num_blocks=100, block_size=4, max_num_seqs=8, budget=64, caching=True):
-    config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
-                             max_model_len=1024)
+    config = SchedulerConfig(
+        max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, max_model_len=1024
+    )
     return Scheduler(config, KVCacheManager(num_blocks, block_size, caching))
 
 

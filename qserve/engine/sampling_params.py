@@ -1,0 +1,154 @@
+"""Per-request sampling parameters (vLLM's names, defaults and ranges)."""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field, replace
+
+from qserve.errors import QServeError
+
+# Below this temperature a request is sampled greedily (vLLM's _SAMPLING_EPS).
+SAMPLING_EPS = 1e-5
+# Most top logprobs a request may ask for (OpenAI's top_logprobs limit, vLLM's max_logprobs).
+MAX_LOGPROBS = 20
+
+
+class SamplingType(enum.IntEnum):
+    GREEDY = 0
+    RANDOM = 1
+    RANDOM_SEED = 2
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request picks its tokens and when it stops.
+
+    Checked once when built; use `dataclasses.replace` to derive a changed copy (it checks again).
+    `top_k` 0 or -1 means off; `max_tokens=None` means up to the context limit; `logprobs` is the
+    number of top logprobs returned besides the sampled token's own (0..20, None = no logprobs).
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "stop", _normalize_stop(self.stop))
+        object.__setattr__(self, "stop_token_ids", list(self.stop_token_ids or []))
+        self._verify_floats()
+        self._verify_ints()
+        self._verify_stop()
+
+    def _verify_floats(self) -> None:
+        _check_float("temperature", self.temperature, low=0.0)
+        _check_float("top_p", self.top_p, low=0.0, high=1.0, low_open=True)
+        _check_float("min_p", self.min_p, low=0.0, high=1.0)
+        _check_float("presence_penalty", self.presence_penalty, low=-2.0, high=2.0)
+        _check_float("frequency_penalty", self.frequency_penalty, low=-2.0, high=2.0)
+        _check_float("repetition_penalty", self.repetition_penalty, low=0.0, low_open=True)
+
+    def _verify_ints(self) -> None:
+        _check_int("n", self.n, low=1)
+        _check_int("top_k", self.top_k, low=-1)
+        _check_int("min_tokens", self.min_tokens, low=0)
+        if self.max_tokens is not None:
+            _check_int("max_tokens", self.max_tokens, low=1)
+            if self.min_tokens > self.max_tokens:
+                raise QServeError(
+                    f"min_tokens must be less than or equal to max_tokens={self.max_tokens}, "
+                    f"got {self.min_tokens}",
+                    param="min_tokens",
+                )
+        if self.logprobs is not None:
+            _check_int("logprobs", self.logprobs, low=0, high=MAX_LOGPROBS)
+        if self.seed is not None:
+            _check_int("seed", self.seed, low=-(2**63), high=2**64 - 1)
+
+    def _verify_stop(self) -> None:
+        if any(not isinstance(s, str) for s in self.stop):
+            raise QServeError("stop must be a string or a list of strings", param="stop")
+        if any(s == "" for s in self.stop):
+            raise QServeError("stop cannot contain an empty string", param="stop")
+        for token_id in self.stop_token_ids:
+            _check_int("stop_token_ids", token_id, low=0)
+
+    @property
+    def sampling_type(self) -> SamplingType:
+        if self.temperature < SAMPLING_EPS:
+            return SamplingType.GREEDY
+        if self.seed is not None:
+            return SamplingType.RANDOM_SEED
+        return SamplingType.RANDOM
+
+    @property
+    def all_stop_token_ids(self) -> set[int]:
+        """Token ids that end the request besides the model's EOS (added by the caller)."""
+        return set(self.stop_token_ids)
+
+    @property
+    def stop_buffer_length(self) -> int:
+        """Characters a stream withholds so that a stop string is never sent in part."""
+        if not self.stop or self.include_stop_str_in_output:
+            return 0
+        return max(len(s) for s in self.stop) - 1
+
+    def child_params(self, index: int) -> SamplingParams:
+        """Params of child `index` of an n > 1 request: n=1, and seed + index when seeded."""
+        if not 0 <= index < self.n:
+            raise ValueError(f"child index {index} out of range for n={self.n}")
+        seed = None if self.seed is None else self.seed + index
+        return replace(self, n=1, seed=seed)
+
+
+def _normalize_stop(stop: str | list[str] | None) -> list[str]:
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        return [stop]
+    return list(stop)
+
+
+def _check_float(
+    name: str,
+    value: float,
+    low: float | None = None,
+    high: float | None = None,
+    low_open: bool = False,
+) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
+        raise QServeError(f"{name} must be a number, got {value!r}", param=name)
+    too_low = low is not None and (value <= low if low_open else value < low)
+    too_high = high is not None and value > high
+    if too_low or too_high or math.isinf(value):
+        allowed = _range_text(low, high, low_open)
+        raise QServeError(f"{name} must be in {allowed}, got {value}", param=name)
+
+
+def _check_int(name: str, value: int, low: int | None = None, high: int | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise QServeError(f"{name} must be an integer, got {value!r}", param=name)
+    if (low is not None and value < low) or (high is not None and value > high):
+        raise QServeError(f"{name} must be in {_range_text(low, high)}, got {value}", param=name)
+
+
+def _range_text(low: float | None, high: float | None, low_open: bool = False) -> str:
+    left = "(" if low_open or low is None else "["
+    right = "]" if high is not None else ")"
+    low_text = "-inf" if low is None else str(low)
+    high_text = "inf" if high is None else str(high)
+    return f"{left}{low_text}, {high_text}{right}"

@@ -1,0 +1,217 @@
+"""ModelConfig: the facts of a checkpoint's config.json that the engine needs, checked once."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from qserve.errors import QServeError
+
+
+@dataclass(frozen=True)
+class ArchitectureSpec:
+    """What differs between the Llama-family architectures we run with one model class."""
+
+    model_type: str
+    qkv_bias: bool | None  # None: read config["attention_bias"] (default False)
+    o_proj_bias_follows_qkv: bool  # Llama puts attention_bias on o_proj too; Qwen2 does not
+
+
+ARCHITECTURES: dict[str, ArchitectureSpec] = {
+    "LlamaForCausalLM": ArchitectureSpec("llama", qkv_bias=None, o_proj_bias_follows_qkv=True),
+    "MistralForCausalLM": ArchitectureSpec("mistral", qkv_bias=None, o_proj_bias_follows_qkv=True),
+    "Qwen2ForCausalLM": ArchitectureSpec("qwen2", qkv_bias=True, o_proj_bias_follows_qkv=False),
+}
+SUPPORTED_ROPE_TYPES = ("default", "llama3")
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Llama 3.1 style frequency scaling (`rope_type: llama3`)."""
+
+    rope_type: str
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: RopeScaling | None  # None: plain RoPE
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool  # bias on q/k/v_proj
+    o_proj_bias: bool
+    mlp_bias: bool
+    eos_token_ids: list[int]
+    torch_dtype: torch.dtype  # dtype the checkpoint was saved in
+    sliding_window: int | None = None  # None when absent or no shorter than the context
+
+    @property
+    def q_size(self) -> int:
+        return self.num_attention_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_key_value_heads * self.head_dim
+
+    @property
+    def max_context_len(self) -> int:
+        """Longest sequence we compute exactly: sliding-window attention is not implemented, so
+        full attention equals it only up to the window."""
+        return min(
+            self.max_position_embeddings, self.sliding_window or self.max_position_embeddings
+        )
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path) -> ModelConfig:
+        """Read `path/config.json` (and `generation_config.json` for extra EOS ids)."""
+        folder = Path(path)
+        raw = read_json(folder / "config.json", what="model config")
+        gen_path = folder / "generation_config.json"
+        gen = read_json(gen_path, what="generation config") if gen_path.is_file() else {}
+        return cls.from_dict(raw, gen, source=str(folder / "config.json"))
+
+    @classmethod
+    def from_dict(
+        cls, raw: dict[str, Any], generation: dict[str, Any] | None = None, source: str = "config"
+    ) -> ModelConfig:
+        arch = _architecture(raw, source)
+        spec = ARCHITECTURES[arch]
+        hidden = _int(raw, "hidden_size", source)
+        heads = _int(raw, "num_attention_heads", source)
+        _check_activation(raw, source)
+        theta, scaling = _rope(raw, source)
+        qkv_bias = (
+            bool(raw.get("attention_bias", False)) if spec.qkv_bias is None else spec.qkv_bias
+        )
+        max_pos = _int(raw, "max_position_embeddings", source)
+        return cls(
+            architecture=arch,
+            vocab_size=_int(raw, "vocab_size", source),
+            hidden_size=hidden,
+            intermediate_size=_int(raw, "intermediate_size", source),
+            num_hidden_layers=_int(raw, "num_hidden_layers", source),
+            num_attention_heads=heads,
+            num_key_value_heads=int(raw.get("num_key_value_heads") or heads),
+            head_dim=int(raw.get("head_dim") or hidden // heads),
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            max_position_embeddings=max_pos,
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            attention_bias=qkv_bias,
+            o_proj_bias=qkv_bias and spec.o_proj_bias_follows_qkv,
+            mlp_bias=bool(raw.get("mlp_bias", False)),
+            eos_token_ids=_eos_token_ids(raw, generation or {}),
+            torch_dtype=_dtype(raw, source),
+            sliding_window=_sliding_window(raw, max_pos),
+        )
+
+
+def read_json(path: Path, what: str) -> dict[str, Any]:
+    """Load a JSON object from `path`, or raise a one-line QServeError."""
+    if not path.is_file():
+        raise QServeError(f"model folder {path.parent} has no {path.name}; expected a {what}")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise QServeError(f"{path} is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise QServeError(f"{path} holds a {type(data).__name__}; expected a JSON object")
+    return data
+
+
+def _architecture(raw: dict[str, Any], source: str) -> str:
+    archs = raw.get("architectures") or []
+    supported = ", ".join(ARCHITECTURES)
+    for arch in archs:
+        if arch in ARCHITECTURES:
+            return arch
+    name = archs[0] if archs else f"model_type={raw.get('model_type')!r}"
+    raise QServeError(
+        f"{source}: architecture {name} is not supported; expected one of: {supported}"
+    )
+
+
+def _int(raw: dict[str, Any], key: str, source: str) -> int:
+    value = raw.get(key)
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise QServeError(f"{source}: {key} is {value!r}; expected a positive integer")
+    return value
+
+
+def _check_activation(raw: dict[str, Any], source: str) -> None:
+    act = raw.get("hidden_act", "silu")
+    if act != "silu":
+        raise QServeError(f"{source}: hidden_act {act!r} is not supported; expected 'silu'")
+
+
+def _rope(raw: dict[str, Any], source: str) -> tuple[float, RopeScaling | None]:
+    """RoPE settings from transformers 5 `rope_parameters` or 4.x `rope_theta`/`rope_scaling`."""
+    params = dict(raw.get("rope_scaling") or {})
+    params.update(raw.get("rope_parameters") or {})
+    theta = float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        expected = ", ".join(SUPPORTED_ROPE_TYPES)
+        raise QServeError(
+            f"{source}: rope type {rope_type!r} is not supported; expected {expected}"
+        )
+    if float(params.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise QServeError(f"{source}: partial_rotary_factor is not supported; expected 1.0")
+    if rope_type == "default":
+        return theta, None
+    try:
+        return theta, RopeScaling(
+            rope_type=rope_type,
+            factor=float(params["factor"]),
+            low_freq_factor=float(params["low_freq_factor"]),
+            high_freq_factor=float(params["high_freq_factor"]),
+            original_max_position_embeddings=int(params["original_max_position_embeddings"]),
+        )
+    except KeyError as exc:
+        raise QServeError(f"{source}: llama3 rope scaling lacks {exc.args[0]!r}") from None
+
+
+def _as_id_list(value: Any) -> list[int]:
+    if value is None:
+        return []
+    return [int(v) for v in value] if isinstance(value, list) else [int(value)]
+
+
+def _eos_token_ids(raw: dict[str, Any], generation: dict[str, Any]) -> list[int]:
+    ids = _as_id_list(raw.get("eos_token_id")) + _as_id_list(generation.get("eos_token_id"))
+    return list(dict.fromkeys(ids))  # dedupe, keep order
+
+
+def _dtype(raw: dict[str, Any], source: str) -> torch.dtype:
+    name = raw.get("dtype") or raw.get("torch_dtype") or "float32"
+    if name not in _DTYPES:
+        raise QServeError(
+            f"{source}: dtype {name!r} is not supported; expected one of {list(_DTYPES)}"
+        )
+    return _DTYPES[name]
+
+
+def _sliding_window(raw: dict[str, Any], max_pos: int) -> int | None:
+    window = raw.get("sliding_window")
+    if window is None or raw.get("use_sliding_window") is False or window >= max_pos:
+        return None
+    return int(window)

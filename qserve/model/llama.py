@@ -1,0 +1,221 @@
+"""The Llama family (Llama, Mistral, Qwen2) written for a flat varlen batch over paged KV.
+
+Module names mirror Hugging Face's so checkpoint keys load directly (`model.layers.0.self_attn.
+q_proj.weight`, ...). q/k/v and gate/up stay separate `nn.Linear` modules: quantized layers are
+swapped in per module by name.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from qserve.model.attention import Attention, AttentionMetadata
+from qserve.model.config import ModelConfig, RopeScaling
+
+RopeCosSin = tuple[torch.Tensor, torch.Tensor]  # cos, sin: [num_tokens, 1, head_dim] each
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in fp32, cast back before the weight (as Hugging Face's LlamaRMSNorm)."""
+
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def rope_inv_freq(
+    head_dim: int,
+    theta: float,
+    scaling: RopeScaling | None,
+    device: torch.device | str | None = None,
+) -> torch.Tensor:
+    """Inverse frequencies, fp32 [head_dim // 2], with optional Llama 3.1 scaling."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim
+    inv_freq = 1.0 / (theta**exponents)
+    return inv_freq if scaling is None else _llama3_scale(inv_freq, scaling)
+
+
+def _llama3_scale(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
+    # Long wavelengths are divided by `factor`, short ones kept, the band between interpolated.
+    low_freq_wavelen = s.original_max_position_embeddings / s.low_freq_factor
+    high_freq_wavelen = s.original_max_position_embeddings / s.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / s.factor, inv_freq)
+    smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
+        s.high_freq_factor - s.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotate-half (neox) RoPE with a cos/sin cache indexed by position.
+
+    cos_sin_cache: fp32 [max_position_embeddings, head_dim] = cat(cos(freqs), sin(freqs)),
+    freqs = position * inv_freq ([max_pos, head_dim // 2]). A non-persistent buffer: the loader
+    rebuilds it with `init_cache` after the weights land on a device.
+    """
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.head_dim = config.head_dim
+        self.max_position = config.max_position_embeddings
+        self.theta = config.rope_theta
+        self.scaling = config.rope_scaling
+        # Built on the default device (cheap under `torch.device("meta")`; see init_cache).
+        self.register_buffer("cos_sin_cache", self._compute_cache(None), persistent=False)
+
+    def _compute_cache(self, device: torch.device | str | None) -> torch.Tensor:
+        inv_freq = rope_inv_freq(self.head_dim, self.theta, self.scaling, device)
+        positions = torch.arange(self.max_position, dtype=torch.int64, device=device).float()
+        freqs = positions[:, None] * inv_freq[None, :]  # [max_pos, head_dim // 2]
+        return torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+
+    def init_cache(self, device: torch.device | str) -> None:
+        self.cos_sin_cache = self._compute_cache(device)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> RopeCosSin:
+        """cos, sin for `positions` (int64 [num_tokens]): each [num_tokens, 1, head_dim]."""
+        cos, sin = self.cos_sin_cache[positions].chunk(2, dim=-1)  # [num_tokens, head_dim // 2]
+        cos = torch.cat((cos, cos), dim=-1)[:, None, :].to(dtype)
+        sin = torch.cat((sin, sin), dim=-1)[:, None, :].to(dtype)
+        return cos, sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos_sin: RopeCosSin, head_dim: int) -> torch.Tensor:
+    """x [num_tokens, heads * head_dim] rotated by the cos/sin of each token's position."""
+    cos, sin = cos_sin
+    heads = x.view(x.shape[0], -1, head_dim)  # [num_tokens, heads, head_dim]
+    return (heads * cos + _rotate_half(heads) * sin).view(x.shape)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        hidden, bias = config.hidden_size, config.attention_bias
+        self.q_proj = nn.Linear(hidden, config.q_size, bias=bias)
+        self.k_proj = nn.Linear(hidden, config.kv_size, bias=bias)
+        self.v_proj = nn.Linear(hidden, config.kv_size, bias=bias)
+        self.o_proj = nn.Linear(config.q_size, hidden, bias=config.o_proj_bias)
+        self.head_dim = config.head_dim
+        self.attn = Attention(
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            config.head_dim,
+            scale=config.head_dim**-0.5,
+        )
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        cos_sin: RopeCosSin,
+        kv_cache: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        q, k, v = self.q_proj(hidden), self.k_proj(hidden), self.v_proj(hidden)
+        q = apply_rope(q, cos_sin, self.head_dim)  # [num_tokens, num_heads * head_dim]
+        k = apply_rope(k, cos_sin, self.head_dim)  # [num_tokens, num_kv_heads * head_dim]
+        out = self.attn(q, k, v, kv_cache, attn_metadata)  # [num_tokens, num_heads * head_dim]
+        return self.o_proj(out)
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        hidden, inter, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
+        self.gate_proj = nn.Linear(hidden, inter, bias=bias)
+        self.up_proj = nn.Linear(hidden, inter, bias=bias)
+        self.down_proj = nn.Linear(inter, hidden, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = LlamaAttention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = LlamaMLP(config)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        cos_sin: RopeCosSin,
+        kv_cache: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        attn_in = self.input_layernorm(hidden)
+        hidden = hidden + self.self_attn(attn_in, cos_sin, kv_cache, attn_metadata)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config) for _ in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(config)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)  # [num_tokens, hidden]
+        cos_sin = self.rotary_emb(positions, hidden.dtype)  # gathered once for all layers
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            hidden = layer(hidden, cos_sin, kv_cache, attn_metadata)
+        return self.norm(hidden)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Llama/Mistral/Qwen2 causal LM over a flat batch of new tokens from many sequences."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """Share the embedding matrix with lm_head when the config says so."""
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """input_ids, positions: int64 [num_tokens] -> final-norm hidden [num_tokens, hidden]."""
+        return self.model(input_ids, positions, kv_caches, attn_metadata)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[num_seqs, hidden] -> fp32 logits [num_seqs, vocab]."""
+        return self.lm_head(hidden).float()

@@ -1,0 +1,148 @@
+"""Load a Hugging Face folder (safetensors, single or sharded) into our model classes.
+
+The model is built on the `meta` device (no random init, no memory), then every parameter is
+assigned straight from the checkpoint in the target dtype and device.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from qserve.errors import QServeError
+from qserve.model.config import ModelConfig
+from qserve.model.llama import LlamaForCausalLM
+
+logger = logging.getLogger("qserve")
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+# Tensors some checkpoints carry that we recompute instead (old Llama saves held RoPE frequencies).
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def load_model(
+    path: Path, dtype: torch.dtype, device: str = "cpu"
+) -> tuple[LlamaForCausalLM, ModelConfig]:
+    """Build the model of `path/config.json` and fill it from the folder's safetensors."""
+    path = Path(path)
+    config = ModelConfig.from_pretrained(path)
+    _warn_sliding_window(config, path)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    state = read_state_dict(path, dtype, device)
+    _assign_weights(model, state, source=str(path))
+    model.model.rotary_emb.init_cache(device)
+    _check_materialized(model)
+    return model.eval().requires_grad_(False), config
+
+
+def _warn_sliding_window(config: ModelConfig, path: Path) -> None:
+    if config.sliding_window is not None:
+        logger.warning(
+            "%s: sliding_window %d is not implemented; outputs are exact up to %d tokens",
+            path,
+            config.sliding_window,
+            config.max_context_len,
+        )
+
+
+def load_tokenizer(path: Path) -> Any:
+    """The folder's Hugging Face tokenizer (with its chat template)."""
+    from transformers import AutoTokenizer
+
+    path = Path(path)
+    # Without these, transformers 5 quietly builds an empty tokenizer from config.json alone.
+    if not any((path / name).is_file() for name in TOKENIZER_FILES):
+        names = ", ".join(TOKENIZER_FILES)
+        raise QServeError(f"model folder {path} has no tokenizer; expected one of: {names}")
+    try:
+        return AutoTokenizer.from_pretrained(str(path))
+    except Exception as exc:  # transformers raises OSError, ValueError, ... for broken folders
+        lines = str(exc).strip().splitlines() or [type(exc).__name__]
+        raise QServeError(f"could not load a tokenizer from {path}: {lines[0]}") from None
+
+
+def safetensors_files(path: Path) -> list[Path]:
+    """The checkpoint files of a folder: `model.safetensors` or the shards its index names."""
+    index = path / INDEX_FILE
+    if index.is_file():
+        return _shard_files(index)
+    single = path / SINGLE_FILE
+    if single.is_file():
+        return [single]
+    raise QServeError(f"model folder {path} has no {SINGLE_FILE} or {INDEX_FILE}")
+
+
+def _shard_files(index: Path) -> list[Path]:
+    try:
+        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        names = sorted(set(weight_map.values()))
+    except (json.JSONDecodeError, KeyError, TypeError, AttributeError, UnicodeDecodeError):
+        raise QServeError(f"{index} is not a safetensors index (expected a weight_map)") from None
+    files = [index.parent / name for name in names]
+    for file in files:
+        if not file.is_file():
+            raise QServeError(f"{index} names shard {file.name}, which is not in {index.parent}")
+    return files
+
+
+def iter_checkpoint_tensors(path: Path, device: str = "cpu") -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (name, tensor) for every tensor of the folder's safetensors, in its stored dtype."""
+    for file in safetensors_files(path):
+        try:
+            with safe_open(str(file), framework="pt", device=device) as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name)
+        except (SafetensorError, OSError) as exc:
+            raise QServeError(f"{file} is not a readable safetensors file: {exc}") from None
+
+
+def read_state_dict(path: Path, dtype: torch.dtype, device: str = "cpu") -> dict[str, torch.Tensor]:
+    """All tensors of the checkpoint; floating ones cast to `dtype`."""
+    state = {}
+    for name, tensor in iter_checkpoint_tensors(path, device):
+        if name.endswith(_IGNORED_SUFFIXES):
+            continue
+        state[name] = tensor.to(dtype) if tensor.is_floating_point() else tensor
+    return state
+
+
+def _assign_weights(model: LlamaForCausalLM, state: dict[str, torch.Tensor], source: str) -> None:
+    expected = model.state_dict(keep_vars=True)  # meta tensors: names and shapes only
+    if model.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)  # some tied checkpoints store a copy: the embedding wins
+        expected.pop("lm_head.weight")
+    _check_names(set(expected), set(state), source)
+    for name, tensor in state.items():
+        if tensor.shape != expected[name].shape:
+            want, got = list(expected[name].shape), list(tensor.shape)
+            raise QServeError(f"{source}: tensor {name} has shape {got}; expected {want}")
+    model.load_state_dict(state, strict=False, assign=True)
+    model.tie_weights()
+
+
+def _check_names(expected: set[str], found: set[str], source: str) -> None:
+    missing, unexpected = sorted(expected - found), sorted(found - expected)
+    if missing:
+        raise QServeError(
+            f"checkpoint {source} lacks {len(missing)} tensor(s) the model needs, e.g. {missing[0]}"
+        )
+    if unexpected:
+        raise QServeError(
+            f"checkpoint {source} holds {len(unexpected)} tensor(s) the model does not use, "
+            f"e.g. {unexpected[0]}"
+        )
+
+
+def _check_materialized(model: torch.nn.Module) -> None:
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        if tensor.is_meta:
+            raise RuntimeError(f"{name} was not loaded (still on the meta device)")

@@ -106,6 +106,17 @@ class KVCacheManager:
             self.block_pool.cache_full_block(blocks[i], hashes[i])
         self.num_cached_block[request.request_id] = num_full
 
+    def slot_usage(self, requests: list[Request]) -> tuple[int, int]:
+        """(token slots holding computed tokens, slots of the blocks these requests hold).
+
+        A block shared by several requests counts once."""
+        filled: dict[int, int] = {}
+        for request in requests:
+            for i, block in enumerate(self.req_to_blocks.get(request.request_id, [])):
+                n = min(self.block_size, max(request.num_computed_tokens - i * self.block_size, 0))
+                filled[block.block_id] = max(filled.get(block.block_id, 0), n)
+        return sum(filled.values()), len(filled) * self.block_size
+
     def free(self, request: Request) -> None:
         """Release a finished or preempted request's blocks, tail first (evicted first)."""
         blocks = self.req_to_blocks.pop(request.request_id, [])

@@ -96,8 +96,12 @@ class LLMEngine:
                 f"max_model_len {wanted} needs more KV cache than kv_cache_memory "
                 f"{self.config.kv_cache_memory} holds ({kv_spec.num_tokens} tokens)"
             )
-        limit = wanted or self.model_config.max_position_embeddings
-        return min(limit, self.model_config.max_position_embeddings, kv_spec.num_tokens)
+        context = self.model_config.max_context_len
+        if wanted is not None and wanted > context:
+            raise QServeError(
+                f"max_model_len {wanted} is longer than the model's context {context}"
+            )
+        return min(wanted or context, kv_spec.num_tokens)
 
     def _log_startup(self, path: Any, kv_spec: KVCacheSpec) -> None:
         gib = kv_spec.num_blocks * kv_spec.bytes_per_block / 2**30
@@ -286,7 +290,10 @@ class LLMEngine:
 
     def get_stats(self) -> dict[str, float]:
         kv = self.scheduler.kv_cache_manager
+        live_slots, allocated_slots = kv.slot_usage(self.scheduler.running)
         return {
+            "kv_live_slots": live_slots,
+            "kv_allocated_slots": allocated_slots,
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
             "kv_cache_usage": kv.usage,

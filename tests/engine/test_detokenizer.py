@@ -2,43 +2,21 @@ import os
 from pathlib import Path
 
 import pytest
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from qserve.engine.detokenizer import IncrementalDetokenizer, check_stop_strings
 from qserve.engine.sampling_params import SamplingParams
+from tests.tiny import EOS, byte_bpe_tokenizer
 
-MOBY_DICK = Path("/work/shared/data/moby-dick")
-# Seen in training a few times, so some multi-byte characters merge into one token and others
-# stay split over two or three byte-level tokens.
-EXTRA_TEXT = (
-    "Café naïve façade résumé Zürich 東京は日本の首都です。北京欢迎你 😀🎉👍🏽 🐋 — “q” ½ ñ\n"
-)
 TEXTS = [
     "Call me Ishmael. Some years ago— never mind how long precisely—",
     "The whale 🐋 swam past 東京 and 北京; naïve Zürich café owners cheered 🎉👍🏽!",
     "Unseen: 鯨の歌 🦑🦀 Ελληνικά ÅÆØ ß…\nnew line\ttab “quoted” ½",
     "é" * 7 + "🐳" * 3 + "日本" * 2,
 ]
-EOS = "<|endoftext|>"
-
-
 @pytest.fixture(scope="module")
 def tokenizer() -> PreTrainedTokenizerFast:
-    """A byte-level BPE (GPT-2 style) trained offline on a few chapters of Moby-Dick."""
-    chapters = [(MOBY_DICK / f"chapter_{i:03d}.txt").read_text() for i in range(1, 4)]
-    bpe = Tokenizer(models.BPE())
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=1000,
-        special_tokens=[EOS],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    bpe.train_from_iterator(chapters + [EXTRA_TEXT * 3], trainer)
-    return PreTrainedTokenizerFast(
-        tokenizer_object=bpe, eos_token=EOS, clean_up_tokenization_spaces=False
-    )
+    return byte_bpe_tokenizer()
 
 
 def stream(tokenizer, prompt_ids, output_ids, params, stop_terminated_at_end=False):

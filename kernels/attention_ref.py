@@ -92,14 +92,35 @@ def gather_kv(
 
 
 def _decode_attention(query, kv_cache, block_tables, seq_lens, scale, k_scale, v_scale):
-    """All sequences with one query token, in one batched call. query [S, H, D]."""
+    """Sequences with one query token each, in one batched call. query [S, H, D].
+
+    The query heads that share a KV head are laid out as that head's query rows
+    ([S, kv_heads, group, D]), which keeps SDPA on its fast kernel in bf16 on CPU."""
+    num_seqs, num_heads, head_dim = query.shape
     max_len = int(seq_lens.max())
     k, v = gather_kv(kv_cache, block_tables, max_len, query.dtype, k_scale, v_scale)
+    num_kv_heads = k.shape[1]
     pos = torch.arange(max_len, device=query.device)
-    mask = (pos[None, :] < seq_lens[:, None].to(pos.device))[:, None, None, :]  # [S, 1, 1, L]
-    q = query.unsqueeze(2)  # [S, H, 1, D]
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
-    return out.squeeze(2)
+    past_end = pos[None, :] >= seq_lens[:, None].to(pos.device)  # [S, L]
+    mask = torch.zeros(num_seqs, 1, 1, max_len, dtype=query.dtype, device=query.device)
+    mask.masked_fill_(past_end[:, None, None, :], float("-inf"))
+    q = query.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    return out.reshape(num_seqs, num_heads, head_dim)
+
+
+def _decode_attention_bucketed(
+    query, kv_cache, block_tables, seq_lens, scale, k_scale, v_scale, bucket: int = 32
+):
+    """Decode rows sorted by length and run in buckets, so short sequences are not padded to
+    the longest one's length."""
+    order = torch.argsort(seq_lens)
+    out = torch.empty_like(query)
+    for rows in order.split(bucket):
+        out[rows] = _decode_attention(
+            query[rows], kv_cache, block_tables[rows], seq_lens[rows], scale, k_scale, v_scale
+        )
+    return out
 
 
 def _chunk_attention(query, kv_cache, block_table, seq_len, scale, k_scale, v_scale):
@@ -140,7 +161,7 @@ def paged_attention_ref(
     if decode:
         rows = torch.tensor([starts[i] for i in decode], device=query.device)
         idx = torch.tensor(decode, device=query.device)
-        out[rows] = _decode_attention(
+        out[rows] = _decode_attention_bucketed(
             query[rows], kv_cache, block_tables[idx], seq_lens[idx], scale, k_scale, v_scale
         )
     seq_lens_list = seq_lens.tolist()

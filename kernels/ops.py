@@ -79,11 +79,13 @@ def gptq_gemm(
     qweight: torch.Tensor,
     qzeros: torch.Tensor,
     scales: torch.Tensor,
-    g_idx: torch.Tensor,
+    g_idx: torch.Tensor | None,
     bits: int = 4,
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """x [M, K] @ GPTQ-packed weight -> [M, N] (layouts in `packing`)."""
+    """x [M, K] @ GPTQ-packed weight -> [M, N] (layouts in `packing`).
+
+    Pass g_idx=None when the groups are consecutive (no desc_act): the kernel is faster."""
     if use_triton(x):
         from qserve.kernels.w4a16 import gptq_gemm as impl
     else:

@@ -1,0 +1,46 @@
+"""Pure-torch references for the W4A16 GEMMs (GPTQ and AWQ layouts; GPTQ also at 8 bit).
+
+Dequantize the packed weight to W [N, K] (see `packing` for the layouts), then multiply in fp32:
+
+    out[M, N] = x[M, K] @ W[N, K].T (+ bias)        output in x's dtype
+"""
+
+from __future__ import annotations
+
+import torch
+from qserve.kernels.packing import dequantize_awq, dequantize_gptq
+
+
+def _linear_fp32(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    out = x.to(torch.float32) @ w.to(torch.float32).t()
+    if bias is not None:
+        out = out + bias.to(torch.float32)
+    return out.to(x.dtype)
+
+
+def gptq_gemm_ref(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    qzeros: torch.Tensor,
+    scales: torch.Tensor,
+    g_idx: torch.Tensor | None,
+    bits: int = 4,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """x [M, K] @ dequantized GPTQ weight -> [M, N]. g_idx may be an act-order permutation,
+    or None for consecutive groups."""
+    w = dequantize_gptq(qweight, qzeros, scales, g_idx, bits)  # [N, K]
+    return _linear_fp32(x, w, bias)
+
+
+def awq_gemm_ref(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    qzeros: torch.Tensor,
+    scales: torch.Tensor,
+    group_size: int,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """x [M, K] @ dequantized AWQ weight -> [M, N]."""
+    w = dequantize_awq(qweight, qzeros, scales, group_size)  # [N, K]
+    return _linear_fp32(x, w, bias)

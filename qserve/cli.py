@@ -45,7 +45,7 @@ def engine_options(func: Callable[..., Any]) -> Callable[..., Any]:
             default="auto",
             show_default=True,
             type=click.Choice(["auto", "float32", "bfloat16", "float16"]),
-            help="Activation dtype; auto runs fp32 checkpoints in bf16.",
+            help="Activation dtype; auto: bf16 on CUDA and AMX/AVX512-BF16 CPUs, else fp32.",
         ),
         click.option("--device", default="cpu", show_default=True),
         click.option(
@@ -187,6 +187,65 @@ def _as_dict(out: Any) -> dict[str, Any]:
         "finish_reason": o.finish_reason,
         "prompt_tokens": len(out.prompt_token_ids),
     }
+
+
+@cli.command()
+@engine_options
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535))
+@click.option(
+    "--api-key",
+    envvar="QSERVE_API_KEY",
+    default=None,
+    help="Require `Authorization: Bearer KEY` on every API route (env QSERVE_API_KEY).",
+)
+@click.option("--served-model-name", default=None, help="Model id clients send; default: MODEL.")
+@click.option(
+    "--max-queue",
+    default=1024,
+    show_default=True,
+    type=click.IntRange(0),
+    help="Requests admitted beyond --max-num-seqs; more get 429 with Retry-After.",
+)
+@click.option(
+    "--drain-timeout",
+    default=30.0,
+    show_default=True,
+    type=click.FloatRange(0),
+    help="Seconds Ctrl-C / SIGTERM waits for requests in flight.",
+)
+def serve(
+    host: str,
+    port: int,
+    api_key: str | None,
+    served_model_name: str | None,
+    max_queue: int,
+    drain_timeout: float,
+    **engine_kw: Any,
+) -> None:
+    """Serve MODEL behind an OpenAI-compatible HTTP API (MODEL defaults to smollm2-135m)."""
+    from qserve.engine.llm_engine import LLMEngine
+    from qserve.model.builtin import DEFAULT_MODEL
+
+    try:
+        from qserve.server.api_server import ServerConfig, run_server
+    except ImportError as exc:
+        if (exc.name or "").startswith("qserve"):
+            raise
+        raise QServeError(
+            f"qserve serve needs the server packages ({exc.name} is missing): "
+            "pip install 'qserve[serve]'"
+        ) from None
+    config = ServerConfig(
+        served_model_name=served_model_name or engine_kw["model"] or DEFAULT_MODEL,
+        host=host,
+        port=port,
+        api_key=api_key or None,
+        max_queue=max_queue,
+        drain_timeout=drain_timeout,
+    )
+    engine = LLMEngine(engine_config(**engine_kw))
+    run_server(engine, config)
 
 
 def main() -> None:

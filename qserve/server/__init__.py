@@ -1,0 +1,1 @@
+"""The OpenAI-compatible server: `build_app(engine, ServerConfig(...))` or `qserve serve`."""

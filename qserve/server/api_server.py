@@ -1,0 +1,292 @@
+"""The OpenAI-compatible HTTP server: FastAPI routes over one AsyncLLMEngine, run by uvicorn."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import signal
+import socket
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel, ValidationError
+from sse_starlette import EventSourceResponse
+from starlette.background import BackgroundTask
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from qserve.engine.llm_engine import LLMEngine
+from qserve.errors import QServeError
+from qserve.server.async_engine import (
+    AsyncLLMEngine,
+    ContextLengthError,
+    EngineDeadError,
+    QueueFullError,
+)
+from qserve.server.metrics import ServerMetrics, StatLogger
+from qserve.server.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
+from qserve.server.serving_chat import OpenAIServingChat
+from qserve.server.serving_completion import OpenAIServingCompletion
+from qserve.server.serving_engine import SSEStream, close_all, now
+
+logger = logging.getLogger("qserve")
+
+M = TypeVar("M", bound=BaseModel)
+T = TypeVar("T")
+# A client that went away before its (non-streamed) response: nginx's "client closed request".
+CLIENT_CLOSED_REQUEST = 499
+UNAUTHENTICATED_PATHS = ("/health", "/metrics")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    served_model_name: str
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    max_queue: int = 1024  # requests admitted beyond max_num_seqs; more get 429
+    drain_timeout: float = 30.0  # seconds a shutdown waits for requests in flight
+    ping_interval: float = 15.0  # seconds between SSE keep-alive comments
+    log_interval: float = 10.0  # seconds between throughput / queue / KV cache log lines
+    log_level: str = "info"
+
+
+class Server:
+    """The app's state: the engine loop, the endpoint handlers and the metrics."""
+
+    def __init__(self, engine: LLMEngine, config: ServerConfig) -> None:
+        self.config = config
+        max_requests = engine.config.max_num_seqs + config.max_queue
+        self.metrics = ServerMetrics(config.served_model_name, lambda: self.engine.stats)
+        self.engine = AsyncLLMEngine(engine, max_requests, observer=self.metrics)
+        self.stat_logger = StatLogger(self.metrics, lambda: self.engine.stats, config.log_interval)
+        self.completion = OpenAIServingCompletion(self.engine, config.served_model_name)
+        self.chat = OpenAIServingChat(self.engine, config.served_model_name)
+
+    async def check_api_key(self, request: Request) -> None:
+        if self.config.api_key is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token, self.config.api_key):
+            raise APIError(
+                "Incorrect or missing API key: send `Authorization: Bearer <key>`.",
+                status_code=401,
+                code="invalid_api_key",
+            )
+
+
+def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
+    server = Server(engine, config)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        server.engine.start()
+        stat_logger = asyncio.ensure_future(server.stat_logger.run())
+        yield
+        stat_logger.cancel()
+        await server.engine.shutdown()
+
+    app = FastAPI(title="qserve", lifespan=lifespan)
+    app.state.server = server
+    _add_exception_handlers(app)
+    _add_routes(app, server)
+    return app
+
+
+def _add_routes(app: FastAPI, server: Server) -> None:
+    auth = [Depends(server.check_api_key)]
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200 if server.engine.is_alive else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(server.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models", dependencies=auth)
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [_model_card(server)]}
+
+    @app.post("/v1/completions", dependencies=auth)
+    async def completions(request: Request) -> Response:
+        body = await parse_body(request, CompletionRequest)
+        result = await until_disconnected(request, server.completion.create(body))
+        return _respond(result, server.config.ping_interval)
+
+    @app.post("/v1/chat/completions", dependencies=auth)
+    async def chat_completions(request: Request) -> Response:
+        body = await parse_body(request, ChatCompletionRequest)
+        result = await until_disconnected(request, server.chat.create(body))
+        return _respond(result, server.config.ping_interval)
+
+    @app.post("/tokenize", dependencies=auth)
+    async def tokenize(request: Request) -> dict[str, Any]:
+        return await _tokenize(server, await parse_body(request, TokenizeRequest))
+
+    @app.post("/detokenize", dependencies=auth)
+    async def detokenize(request: Request) -> dict[str, Any]:
+        body = await parse_body(request, DetokenizeRequest)
+        server.completion.check_model(body.model)
+        text = await server.engine.call(lambda e: _decode(e, body.tokens))
+        return {"prompt": text}
+
+
+def _model_card(server: Server) -> dict[str, Any]:
+    return {
+        "id": server.config.served_model_name,
+        "object": "model",
+        "created": now(),
+        "owned_by": "qserve",
+        "root": str(server.engine.engine.config.model or server.config.served_model_name),
+        "max_model_len": server.engine.engine.max_model_len,
+    }
+
+
+async def _tokenize(server: Server, body: TokenizeRequest) -> dict[str, Any]:
+    server.chat.check_model(body.model)
+    if (body.prompt is None) == (body.messages is None):
+        raise APIError("send exactly one of prompt and messages", param="prompt")
+    if body.messages is not None:
+        text, special = server.chat.render(body.messages, body.add_generation_prompt), False
+    else:
+        text, special = body.prompt or "", body.add_special_tokens
+    tokens = await server.engine.call(
+        lambda e: e.tokenizer.encode(text, add_special_tokens=special)
+    )
+    return {
+        "tokens": tokens,
+        "count": len(tokens),
+        "max_model_len": server.engine.engine.max_model_len,
+    }
+
+
+def _decode(engine: LLMEngine, tokens: list[int]) -> str:
+    vocab = engine.model_config.vocab_size
+    if any(not 0 <= t < vocab for t in tokens):
+        raise QServeError(f"token ids must be in [0, {vocab})", param="tokens")
+    return engine.tokenizer.decode(tokens)
+
+
+def _respond(result: dict[str, Any] | SSEStream, ping_interval: float) -> Response:
+    if isinstance(result, dict):
+        return JSONResponse(result)
+    return EventSourceResponse(
+        result.payloads,
+        sep="\n",
+        ping=ping_interval,
+        background=BackgroundTask(close_all, result.streams),
+    )
+
+
+async def parse_body(request: Request, model: type[M]) -> M:
+    """The JSON body as `model`, strictly typed; ValidationError (a 400) otherwise."""
+    return model.model_validate_json(await request.body())
+
+
+async def until_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Await `work` unless the client disconnects first: then cancel it (aborting its requests)."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+    if not task.done() or task.cancelled():
+        raise APIError("the client closed the request", status_code=CLIENT_CLOSED_REQUEST)
+    return task.result()
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+# -- errors: every 4xx/5xx is {"error": {"message", "type", "param", "code"}} ---------------------
+
+
+def _add_exception_handlers(app: FastAPI) -> None:
+    handlers: dict[type[Exception], Callable[[Any], APIError]] = {
+        APIError: lambda exc: exc,
+        ValidationError: APIError.from_validation,
+        ContextLengthError: lambda exc: APIError(
+            str(exc), param=exc.param, code="context_length_exceeded"
+        ),
+        QServeError: APIError.from_qserve,
+        QueueFullError: lambda exc: APIError(
+            str(exc), 429, "rate_limit_error", code="queue_full", headers={"Retry-After": "1"}
+        ),
+        EngineDeadError: lambda exc: APIError(
+            str(exc), 503, "server_error", headers={"Retry-After": "1"}
+        ),
+        StarletteHTTPException: lambda exc: APIError(
+            str(exc.detail), exc.status_code, _http_error_type(exc.status_code)
+        ),
+    }
+    for exc_type, to_api_error in handlers.items():
+        app.add_exception_handler(exc_type, _handler(to_api_error))
+    app.add_exception_handler(Exception, _internal_error)
+
+
+def _handler(to_api_error: Callable[[Any], APIError]) -> Callable[..., Awaitable[Response]]:
+    async def handle(request: Request, exc: Exception) -> Response:
+        error = to_api_error(exc)
+        return JSONResponse(error.body(), status_code=error.status_code, headers=error.headers)
+
+    return handle
+
+
+async def _internal_error(request: Request, exc: Exception) -> Response:
+    logger.exception("unexpected error on %s", request.url.path, exc_info=exc)
+    error = APIError(f"internal server error: {exc!r}", 500, "server_error")
+    return JSONResponse(error.body(), status_code=500)
+
+
+def _http_error_type(status_code: int) -> str:
+    return "invalid_request_error" if status_code < 500 else "server_error"
+
+
+# -- running -------------------------------------------------------------------------------------
+
+
+def make_uvicorn_server(app: FastAPI, config: ServerConfig) -> Any:
+    import uvicorn
+
+    return uvicorn.Server(
+        uvicorn.Config(
+            app,
+            host=config.host,
+            port=config.port,
+            log_level=config.log_level,
+            timeout_graceful_shutdown=int(config.drain_timeout),
+            access_log=False,
+        )
+    )
+
+
+def run_server(engine: LLMEngine, config: ServerConfig, sock: socket.socket | None = None) -> None:
+    """Serve until Ctrl-C / SIGTERM, then drain requests in flight (bounded) and return."""
+    from sse_starlette.sse import AppStatus
+
+    # sse-starlette would end every open stream on the first signal; we drain them instead,
+    # bounded by uvicorn's graceful-shutdown timeout (then their tasks are cancelled and aborted).
+    AppStatus.disable_automatic_graceful_drain()
+    # uvicorn re-raises the signal it caught once it has shut down; a no-op handler turns that
+    # into a normal return, so the process exits 0.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: None)
+    server = make_uvicorn_server(build_app(engine, config), config)
+    server.run(sockets=[sock] if sock is not None else None)

@@ -1,0 +1,316 @@
+"""The engine behind asyncio.
+
+`LLMEngine` is not thread-safe, so one thread owns it: it runs every call that the event loop posts
+to its inbox (add, abort, tokenize), then steps the engine, and hands each step's outputs back to
+the loop, which routes them to per-request queues. Everything that touches the engine or its
+tokenizer's encoder runs on that thread; the loop only awaits.
+
+    event loop                          engine thread
+    add_request() --(inbox: call)-->    tokenize, check, engine.add_request
+                  <--(future)--------
+    RequestStream <--(call_soon_threadsafe)-- engine.step() -> list[RequestOutput]
+    stream closed --(inbox: abort)-->   engine.abort_request (frees the blocks)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from qserve.engine.llm_engine import LLMEngine
+from qserve.engine.outputs import RequestOutput
+from qserve.engine.sampling_params import SamplingParams
+from qserve.errors import QServeError
+
+logger = logging.getLogger("qserve")
+
+T = TypeVar("T")
+IDLE_STEP_SLEEP_S = 0.001
+EngineCall = Callable[[LLMEngine], Any]
+
+
+class EngineDeadError(RuntimeError):
+    """The engine failed or is shutting down; the request cannot finish."""
+
+
+class QueueFullError(RuntimeError):
+    """More requests are in flight than the server admits (--max-queue)."""
+
+
+class ContextLengthError(QServeError):
+    """Prompt (plus max_tokens) longer than the model's context."""
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot taken by the engine thread after each step; read by /metrics."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    prefix_cache_hit_rate: float = 0.0
+    num_preemptions: int = 0
+    num_free_blocks: int = 0
+    num_blocks: int = 0
+
+    @classmethod
+    def read(cls, engine: LLMEngine) -> EngineStats:
+        stats = engine.get_stats()
+        pool = engine.scheduler.kv_cache_manager.block_pool
+        return cls(
+            num_running=int(stats["num_running"]),
+            num_waiting=int(stats["num_waiting"]),
+            kv_cache_usage=float(stats["kv_cache_usage"]),
+            prefix_cache_hit_rate=float(stats["prefix_cache_hit_rate"]),
+            num_preemptions=int(stats["num_preemptions"]),
+            num_free_blocks=pool.get_num_free_blocks(),
+            num_blocks=pool.num_blocks,
+        )
+
+
+class StepObserver:
+    """Called on the engine thread: after each step with its outputs, and on each abort."""
+
+    def on_step(self, outputs: list[RequestOutput]) -> None:
+        pass
+
+    def on_abort(self, request_id: str) -> None:
+        pass
+
+
+class RequestStream:
+    """The outputs of one request, in order; iterating ends after the finished output."""
+
+    def __init__(self, request_id: str, engine: AsyncLLMEngine) -> None:
+        self.request_id = request_id
+        self.finished = False
+        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._engine = engine
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        self._queue.put_nowait(item)
+
+    async def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        while not self.finished:
+            item = await self._queue.get()
+            if isinstance(item, BaseException):
+                self.finished = True
+                raise item
+            self.finished = item.finished
+            yield item
+
+    def close(self) -> None:
+        """Abort the request unless it finished (a client went away); idempotent."""
+        if not self.finished:
+            self.finished = True
+            self._engine.abort(self.request_id)
+
+
+class AsyncLLMEngine:
+    def __init__(
+        self,
+        engine: LLMEngine,
+        max_num_requests: int | None = None,
+        observer: StepObserver | None = None,
+    ) -> None:
+        self.engine = engine
+        self.max_num_requests = max_num_requests  # in flight, running or waiting
+        self.observer = observer or StepObserver()
+        self.stats = EngineStats.read(engine)
+        self._inbox: queue.SimpleQueue[EngineCall | None] = queue.SimpleQueue()
+        self._streams: dict[str, RequestStream] = {}  # touched on the loop thread only
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+
+    # -- lifecycle (event loop) ----------------------------------------------------------------
+
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="qserve-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def is_alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and not self._stopping
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._streams)
+
+    async def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the engine thread; requests still in flight end with EngineDeadError."""
+        self._stopping = True
+        self._inbox.put(None)
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join, timeout)
+        self._fail_all(EngineDeadError("the server is shutting down"))
+
+    # -- requests (event loop) -----------------------------------------------------------------
+
+    async def call(self, fn: Callable[[LLMEngine], T]) -> T:
+        """Run `fn(engine)` on the engine thread before its next step; return its result."""
+        if not self.is_alive:
+            raise EngineDeadError("the engine is not running")
+        assert self._loop is not None
+        future: asyncio.Future[T] = self._loop.create_future()
+        self._inbox.put(lambda engine: self._resolve(future, fn, engine))
+        return await future
+
+    async def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        add_special_tokens: bool = True,
+    ) -> RequestStream:
+        """Tokenize and check the prompt, queue the request; QServeError for bad input."""
+        if self.max_num_requests is not None and self.num_requests >= self.max_num_requests:
+            raise QueueFullError(f"{self.num_requests} requests are in flight; try again later")
+        stream = RequestStream(request_id, self)
+        self._streams[request_id] = stream
+        arrival = time.monotonic()
+        try:
+            await self.call(
+                lambda engine: _add(engine, request_id, prompt, params, add_special_tokens, arrival)
+            )
+        except BaseException:
+            self._streams.pop(request_id, None)
+            stream.finished = True
+            self.abort(request_id)  # no-op unless cancelled after the add ran
+            raise
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        self._streams.pop(request_id, None)
+        self._inbox.put(lambda engine: self._abort_now(engine, request_id))
+
+    # -- the engine thread ---------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while not self._stopping:
+                self._drain_inbox(block=not self.engine.has_unfinished_requests())
+                if not self._stopping and self.engine.has_unfinished_requests():
+                    self._step()
+                self.stats = EngineStats.read(self.engine)
+        finally:  # stopped, or died: no stream may wait for outputs that will never come
+            self._abort_all()
+            self.stats = EngineStats.read(self.engine)
+            self._post(self._fail_all, EngineDeadError("the engine stopped"))
+
+    def _drain_inbox(self, block: bool) -> None:
+        call = self._inbox.get() if block else self._next_call()
+        while call is not None:
+            try:
+                call(self.engine)
+            except Exception:  # calls report their own errors; this is a bug, keep serving
+                logger.exception("engine call failed")
+            call = self._next_call()
+
+    def _next_call(self) -> EngineCall | None:
+        try:
+            return self._inbox.get_nowait()
+        except queue.Empty:
+            return None
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as exc:  # a bug, not bad input: fail what is in flight, keep serving
+            logger.exception("engine step failed; aborting the requests in flight")
+            self._abort_all()
+            self._post(self._fail_all, EngineDeadError(f"engine step failed: {exc!r}"))
+            return
+        self.observer.on_step(outputs)
+        if outputs:
+            self._post(self._deliver, outputs)
+        else:  # a prompt chunk, or nothing schedulable: let the event loop have the GIL
+            time.sleep(IDLE_STEP_SLEEP_S)
+
+    def _abort_now(self, engine: LLMEngine, request_id: str) -> None:
+        engine.abort_request(request_id)
+        self.observer.on_abort(request_id)
+
+    def _abort_all(self) -> None:
+        for request_id in list(self.engine.requests):
+            self._abort_now(self.engine, request_id)
+
+    def _resolve(
+        self, future: asyncio.Future[T], fn: Callable[[LLMEngine], T], engine: Any
+    ) -> None:
+        try:
+            result = fn(engine)
+        except Exception as exc:  # handed to the awaiting coroutine
+            self._post(_set_exception, future, exc)
+            return
+        self._post(_set_result, future, result)
+
+    def _post(self, fn: Callable[..., None], *args: Any) -> None:
+        assert self._loop is not None
+        if not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(fn, *args)
+
+    # -- back on the event loop ----------------------------------------------------------------
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for output in outputs:
+            stream = self._streams.get(output.request_id)
+            if stream is None:
+                continue
+            stream.put(output)
+            if output.finished:
+                del self._streams[output.request_id]
+
+    def _fail_all(self, exc: BaseException) -> None:
+        streams, self._streams = self._streams, {}
+        for stream in streams.values():
+            stream.put(exc)
+
+
+def _add(
+    engine: LLMEngine,
+    request_id: str,
+    prompt: str | list[int],
+    params: SamplingParams,
+    add_special_tokens: bool,
+    arrival: float,
+) -> None:
+    if isinstance(prompt, str):
+        prompt = engine.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+    check_context_length(len(prompt), params.max_tokens, engine.max_model_len)
+    engine.add_request(request_id, prompt, params, arrival_time=arrival)
+
+
+def check_context_length(
+    num_prompt_tokens: int, max_tokens: int | None, max_model_len: int
+) -> None:
+    if num_prompt_tokens >= max_model_len:
+        raise ContextLengthError(
+            f"This model's maximum context length is {max_model_len} tokens; the prompt has "
+            f"{num_prompt_tokens} tokens, which leaves no room for output.",
+            param="prompt",
+        )
+    if max_tokens is not None and num_prompt_tokens + max_tokens > max_model_len:
+        raise ContextLengthError(
+            f"This model's maximum context length is {max_model_len} tokens. However, you "
+            f"requested {num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the "
+            f"prompt, {max_tokens} for the completion). Please reduce the prompt or max_tokens.",
+            param="max_tokens",
+        )
+
+
+def _set_result(future: asyncio.Future[T], result: T) -> None:
+    if not future.done():
+        future.set_result(result)
+
+
+def _set_exception(future: asyncio.Future[Any], exc: BaseException) -> None:
+    if not future.done():
+        future.set_exception(exc)

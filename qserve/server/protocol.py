@@ -1,0 +1,229 @@
+"""Request bodies of the OpenAI API (the fields we honour), checked strictly, and their errors.
+
+Unknown fields are ignored, as OpenAI's API does; a known field of the wrong type is a 400.
+Ranges are checked once, by `SamplingParams`, so the server and `LLM.generate` agree on them.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from qserve.engine.sampling_params import SamplingParams
+from qserve.errors import QServeError
+
+# Most samples one request may ask for: n beyond this is surely a mistake, and costs memory.
+MAX_N = 128
+# OpenAI's limit on completions' `logprobs`; chat's `top_logprobs` goes to 20.
+MAX_COMPLETION_LOGPROBS = 20
+
+T = TypeVar("T")
+
+
+class APIError(Exception):
+    """An error the client gets as `{"error": {"message", "type", "param", "code"}}`."""
+
+    def __init__(
+        self,
+        message: str,
+        status_code: int = 400,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status_code = status_code
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = headers
+
+    def body(self) -> dict[str, object]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+    @classmethod
+    def from_qserve(cls, exc: QServeError) -> APIError:
+        return cls(str(exc), param=exc.param, code="invalid_value")
+
+    @classmethod
+    def from_validation(cls, exc: ValidationError) -> APIError:
+        errors = exc.errors(include_url=False)
+        first = errors[0]
+        if first["type"] == "json_invalid":
+            return cls(f"the request body is not valid JSON: {first['msg']}", code="invalid_json")
+        param = ".".join(str(part) for part in _field_loc(errors)) or None
+        where = f"{param}: " if param else ""
+        return cls(f"{where}{first['msg']}", param=param, code="invalid_type")
+
+
+def _field_loc(errors: list[Any]) -> tuple[int | str, ...]:
+    """The field the first error is about. A value that fits no member of a union gets one error
+    per member, located `(field, member, ...)`: the field is what those errors have in common."""
+    loc = errors[0]["loc"]
+    same_field = [e["loc"] for e in errors if e["loc"][:1] == loc[:1]]
+    common = 0
+    while common < len(loc) and all(
+        len(x) > common and x[common] == loc[common] for x in same_field
+    ):
+        common += 1
+    return loc[:common]
+
+
+class OpenAIModel(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+
+class StreamOptions(OpenAIModel):
+    include_usage: bool = False
+
+
+class SamplingRequest(OpenAIModel):
+    """The fields /v1/completions and /v1/chat/completions share (vLLM's extras included)."""
+
+    model: str | None = None
+    n: int = 1
+    best_of: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def to_sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        self._check_unsupported()
+        return SamplingParams(
+            n=self.n,
+            temperature=_or(self.temperature, 1.0),
+            top_p=_or(self.top_p, 1.0),
+            top_k=_or(self.top_k, 0),
+            min_p=_or(self.min_p, 0.0),
+            seed=self.seed,
+            presence_penalty=_or(self.presence_penalty, 0.0),
+            frequency_penalty=_or(self.frequency_penalty, 0.0),
+            repetition_penalty=_or(self.repetition_penalty, 1.0),
+            stop=self.stop,
+            stop_token_ids=self.stop_token_ids or [],
+            ignore_eos=self.ignore_eos,
+            max_tokens=max_tokens,
+            min_tokens=self.min_tokens,
+            logprobs=logprobs,
+            skip_special_tokens=self.skip_special_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+        )
+
+    def _check_unsupported(self) -> None:
+        if self.n > MAX_N:
+            raise QServeError(f"n must be at most {MAX_N}, got {self.n}", param="n")
+        if self.best_of is not None and self.best_of != self.n:
+            raise QServeError("best_of other than n is not supported", param="best_of")
+        if self.logit_bias:
+            raise QServeError("logit_bias is not supported", param="logit_bias")
+
+
+class CompletionRequest(SamplingRequest):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+
+    def sampling_params(self) -> SamplingParams:
+        if self.suffix:
+            raise QServeError("suffix is not supported", param="suffix")
+        if self.logprobs is not None and self.logprobs > MAX_COMPLETION_LOGPROBS:
+            raise QServeError(
+                f"logprobs must be at most {MAX_COMPLETION_LOGPROBS}, got {self.logprobs}",
+                param="logprobs",
+            )
+        if self.echo and self.logprobs is not None:
+            raise QServeError("echo with logprobs (prompt logprobs) is not supported", "echo")
+        return self.to_sampling_params(self.max_tokens, self.logprobs)
+
+    def prompts(self) -> list[str | list[int]]:
+        """The batch of prompts: a string or token ids is a batch of one."""
+        prompt = self.prompt
+        if isinstance(prompt, str):
+            return [prompt]
+        if not prompt:
+            raise QServeError("the prompt is empty", param="prompt")
+        if isinstance(prompt[0], int):
+            return [prompt]  # type: ignore[list-item]
+        return list(prompt)  # type: ignore[arg-type]
+
+
+class TextPart(OpenAIModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(OpenAIModel):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def template_dict(self) -> dict[str, str]:
+        """What the chat template sees: content parts joined into one string."""
+        content = self.content
+        if isinstance(content, list):
+            content = "".join(part.text for part in content)
+        return {"role": self.role, "content": content or ""}
+
+
+class ChatCompletionRequest(SamplingRequest):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+
+    def sampling_params(self) -> SamplingParams:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise QServeError("top_logprobs needs logprobs: true", param="top_logprobs")
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        max_tokens = _or(self.max_completion_tokens, self.max_tokens)
+        return self.to_sampling_params(max_tokens, logprobs)
+
+
+class TokenizeRequest(OpenAIModel):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(OpenAIModel):
+    model: str | None = None
+    tokens: list[int]
+
+
+def _or(value: T | None, default: T) -> T:
+    return default if value is None else value

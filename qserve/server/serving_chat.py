@@ -1,0 +1,172 @@
+"""POST /v1/chat/completions: messages through the tokenizer's chat template, then generate."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+
+from qserve.engine.outputs import CompletionOutput, RequestOutput
+from qserve.engine.sampler import Logprobs
+from qserve.server.async_engine import RequestStream
+from qserve.server.protocol import APIError, ChatCompletionRequest, ChatMessage
+from qserve.server.serving_engine import (
+    Json,
+    OpenAIServing,
+    SSEStream,
+    close_all,
+    collect,
+    error_payload,
+    merge,
+    now,
+    random_id,
+    sse,
+    usage,
+)
+
+
+class OpenAIServingChat(OpenAIServing):
+    async def create(self, request: ChatCompletionRequest) -> Json | SSEStream:
+        self.check_model(request.model)
+        params = request.sampling_params()
+        prompt = self.render(request.messages, request.add_generation_prompt)
+        request_id = random_id("chatcmpl")
+        # The template already wrote the special tokens (BOS, role markers): add none.
+        streams = await self.add_requests(request_id, [prompt], params, add_special_tokens=False)
+        if request.stream:
+            return SSEStream(self._stream(request_id, request, streams), streams)
+        (output,) = await collect(streams)
+        return self._response(request_id, request, output)
+
+    def render(self, messages: list[ChatMessage], add_generation_prompt: bool) -> str:
+        """The prompt text the tokenizer's chat template makes of `messages`."""
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise APIError("this model's tokenizer has no chat template", param="messages")
+        try:
+            return self.tokenizer.apply_chat_template(
+                [m.template_dict() for m in messages],
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+            )
+        except Exception as exc:  # jinja raises what the template author chose
+            raise APIError(f"the chat template failed: {exc}", param="messages") from None
+
+    # -- whole response ------------------------------------------------------------------------
+
+    def _response(
+        self, request_id: str, request: ChatCompletionRequest, output: RequestOutput
+    ) -> Json:
+        choices = [
+            {
+                "index": c.index,
+                "message": {"role": "assistant", "content": c.text},
+                "logprobs": self._logprobs(c.logprobs, request.top_logprobs or 0),
+                "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason,
+            }
+            for c in output.outputs
+        ]
+        return {
+            "id": request_id,
+            "object": "chat.completion",
+            "created": now(),
+            "model": self.served_model_name,
+            "choices": choices,
+            "usage": usage([output]),
+        }
+
+    def _logprobs(self, entries: list[Logprobs] | None, num_top: int) -> Json | None:
+        if entries is None:
+            return None
+        return {"content": [self._logprob_entry(e, num_top) for e in entries]}
+
+    def _logprob_entry(self, entry: Logprobs, num_top: int) -> Json:
+        top = zip(entry.top_token_ids[:num_top], entry.top_logprobs[:num_top])
+        return {
+            **self._token_logprob(entry.sampled_token_id, entry.logprob),
+            "top_logprobs": [self._token_logprob(t, lp) for t, lp in top],
+        }
+
+    def _token_logprob(self, token_id: int, logprob: float) -> Json:
+        text = self.token_text(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    # -- stream --------------------------------------------------------------------------------
+
+    async def _stream(
+        self, request_id: str, request: ChatCompletionRequest, streams: list[RequestStream]
+    ) -> AsyncIterator[str]:
+        sent_tokens = [0] * request.n
+        finished = [False] * request.n
+        final: RequestOutput | None = None
+        try:
+            for index in range(request.n):
+                role = {"index": index, "delta": {"role": "assistant", "content": ""}}
+                yield sse(self._envelope(request_id, request, [_no_finish(role)]))
+            async with aclosing(merge(streams)) as outputs:
+                async for _, output in outputs:
+                    for chunk in self._chunks(request, output, sent_tokens, finished):
+                        yield sse(self._envelope(request_id, request, [chunk]))
+                    final = output if output.finished else final
+            if request.include_usage and final is not None:
+                yield sse({**self._envelope(request_id, request, []), "usage": usage([final])})
+        except Exception as exc:  # the client gets an error event, never a hung stream
+            yield sse(error_payload(exc))
+        finally:
+            close_all(streams)
+        yield "[DONE]"
+
+    def _chunks(
+        self,
+        request: ChatCompletionRequest,
+        output: RequestOutput,
+        sent_tokens: list[int],
+        finished: list[bool],
+    ) -> list[Json]:
+        """The chunks of the choices that moved; updates what was sent of each."""
+        chunks = []
+        for c in output.outputs:
+            if finished[c.index]:
+                continue
+            chunk = self._chunk(request, c, sent_tokens[c.index])
+            sent_tokens[c.index], finished[c.index] = len(c.token_ids), c.finished
+            if chunk is not None:
+                chunks.append(chunk)
+        return chunks
+
+    def _chunk(
+        self, request: ChatCompletionRequest, c: CompletionOutput, num_sent_tokens: int
+    ) -> Json | None:
+        new_entries = (c.logprobs or [])[num_sent_tokens:]
+        logprobs = (
+            self._logprobs(new_entries, request.top_logprobs or 0)
+            if c.logprobs is not None
+            else None
+        )
+        if not c.delta_text and not c.finished and not new_entries:
+            return None
+        delta = {"content": c.delta_text} if c.delta_text else {}
+        return {
+            "index": c.index,
+            "delta": delta,
+            "logprobs": logprobs,
+            "finish_reason": c.finish_reason,
+            "stop_reason": c.stop_reason,
+        }
+
+    def _envelope(
+        self, request_id: str, request: ChatCompletionRequest, choices: list[Json]
+    ) -> Json:
+        body: Json = {
+            "id": request_id,
+            "object": "chat.completion.chunk",
+            "created": now(),
+            "model": self.served_model_name,
+            "choices": choices,
+        }
+        if request.include_usage:
+            body["usage"] = None
+        return body
+
+
+def _no_finish(choice: Json) -> Json:
+    return {**choice, "logprobs": None, "finish_reason": None}

@@ -1,0 +1,159 @@
+"""What the completion and chat endpoints share: the model check, adding a batch of requests,
+collecting or merging their outputs, usage, logprob tokens and SSE chunks."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from qserve.engine.outputs import RequestOutput
+from qserve.engine.sampling_params import SamplingParams
+from qserve.server.async_engine import AsyncLLMEngine, EngineDeadError, RequestStream
+from qserve.server.protocol import APIError
+
+logger = logging.getLogger("qserve")
+
+Json = dict[str, Any]
+
+
+class OpenAIServing:
+    def __init__(self, engine: AsyncLLMEngine, served_model_name: str) -> None:
+        self.engine = engine
+        self.served_model_name = served_model_name
+        self.tokenizer = engine.engine.tokenizer
+        self._token_texts: dict[int, str] = {}
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.served_model_name:
+            raise APIError(
+                f"The model `{model}` does not exist; this server serves "
+                f"`{self.served_model_name}`.",
+                status_code=404,
+                param="model",
+                code="model_not_found",
+            )
+
+    async def add_requests(
+        self,
+        request_id: str,
+        prompts: list[str | list[int]],
+        params: SamplingParams,
+        add_special_tokens: bool = True,
+    ) -> list[RequestStream]:
+        """One engine request per prompt (`{request_id}-{i}`); all or none are added."""
+        streams: list[RequestStream] = []
+        try:
+            for i, prompt in enumerate(prompts):
+                sub_id = request_id if len(prompts) == 1 else f"{request_id}-{i}"
+                streams.append(
+                    await self.engine.add_request(sub_id, prompt, params, add_special_tokens)
+                )
+        except BaseException:
+            close_all(streams)
+            raise
+        return streams
+
+    def token_text(self, token_id: int) -> str:
+        """A token's own text, as logprobs show it (decoded alone, so maybe a partial char)."""
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self.tokenizer.decode([token_id])
+            self._token_texts[token_id] = text
+        return text
+
+
+@dataclass
+class SSEStream:
+    """A streamed response: its SSE payloads, and the requests to abort if it ends early (the
+    payload generator may never start when the client is gone before the response)."""
+
+    payloads: AsyncIterator[str]
+    streams: list[RequestStream]
+
+
+def random_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def close_all(streams: list[RequestStream]) -> None:
+    for stream in streams:
+        stream.close()
+
+
+async def collect(streams: list[RequestStream]) -> list[RequestOutput]:
+    """The final output of each stream; closing (aborting) them all if cancelled."""
+    try:
+        return list(await asyncio.gather(*(_last(s) for s in streams)))
+    finally:
+        close_all(streams)
+
+
+async def _last(stream: RequestStream) -> RequestOutput:
+    last = None
+    async for output in stream:
+        last = output
+    assert last is not None
+    return last
+
+
+async def merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(prompt index, output) from all streams as they come; closes them all when done."""
+    queue: asyncio.Queue[tuple[int, RequestOutput | Exception | None]] = asyncio.Queue()
+
+    async def pump(i: int, stream: RequestStream) -> None:
+        try:
+            async for output in stream:
+                queue.put_nowait((i, output))
+        except Exception as exc:  # re-raised by the consumer below
+            queue.put_nowait((i, exc))
+        queue.put_nowait((i, None))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    remaining = len(streams)
+    try:
+        while remaining:
+            i, item = await queue.get()
+            if isinstance(item, Exception):
+                raise item
+            if item is None:
+                remaining -= 1
+                continue
+            yield i, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        close_all(streams)
+
+
+def usage(outputs: list[RequestOutput]) -> Json:
+    prompt_tokens = sum(len(o.prompt_token_ids) for o in outputs)
+    completion_tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def sse(payload: Json) -> str:
+    """One SSE `data:` payload (EventSourceResponse adds the framing)."""
+    return json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
+
+
+def error_payload(exc: Exception) -> Json:
+    """The error event a stream ends with when its request cannot finish."""
+    if isinstance(exc, APIError):
+        return exc.body()
+    if not isinstance(exc, EngineDeadError):
+        logger.exception("a stream failed", exc_info=exc)
+    return APIError(str(exc) or repr(exc), status_code=500, type="server_error").body()
+
+
+def now() -> int:
+    return int(time.time())

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -21,7 +21,8 @@ from qserve.engine.scheduler import Scheduler, SchedulerConfig
 from qserve.errors import QServeError
 from qserve.kernels.attention_ref import is_fp8
 from qserve.model.config import ModelConfig
-from qserve.model.loader import load_model, load_tokenizer
+from qserve.model.loader import LoadReport, load_model, load_tokenizer
+from qserve.model.quant import activation_dtype
 from qserve.model.resolve import resolve_model
 
 logger = logging.getLogger("qserve")
@@ -60,7 +61,10 @@ class LLMEngine:
         path = resolve_model(config.model)
         self.model_config = ModelConfig.from_pretrained(path)
         self.dtype = config.torch_dtype(self.model_config.torch_dtype)
+        if self.model_config.quantization is not None and config.dtype == "auto":
+            self.dtype = activation_dtype(self.model_config.torch_dtype, config.device)
         model, _ = load_model(path, self.dtype, config.device)
+        self.load_report: LoadReport = model.load_report
         self.tokenizer = load_tokenizer(path)
         self.eos_token_ids = self.model_config.eos_token_ids
         kv_spec = self._kv_cache_spec()
@@ -84,8 +88,13 @@ class LLMEngine:
                 f"kv_cache_memory {self.config.kv_cache_memory} is smaller than one KV block "
                 f"({spec.bytes_per_block} bytes)"
             )
-        if is_fp8(kv_dtype):
-            logger.warning("FP8 KV cache without calibrated scales: using k_scale = v_scale = 1.0")
+        if is_fp8(kv_dtype) and not self.load_report.has_kv_scales:
+            logger.warning(
+                "FP8 KV cache without calibrated scales in the checkpoint (%d of %d layers have "
+                "them): using k_scale = v_scale = 1.0 where missing",
+                self.load_report.num_kv_scaled_layers,
+                self.load_report.num_layers,
+            )
         return spec
 
     def _max_model_len(self, kv_spec: KVCacheSpec) -> int:
@@ -119,6 +128,13 @@ class LLMEngine:
             str(kv_spec.dtype).removeprefix("torch."),
             self.max_model_len,
         )
+        report = self.load_report
+        logger.info("weights: %s", report.scheme)
+        for kind, kernel in report.linear_paths.items():
+            logger.info("  %-10s %s", kind, kernel)
+        if is_fp8(kv_spec.dtype):
+            scales = "from the checkpoint" if report.has_kv_scales else "1.0 (not calibrated)"
+            logger.info("FP8 KV pages: k_scale/v_scale %s", scales)
 
     # -- requests ------------------------------------------------------------------------------
 
@@ -265,7 +281,7 @@ class LLMEngine:
             prompt_token_ids=state.prompt_token_ids,
             outputs=[self._completion(s) for s in state.samples],
             finished=state.finished,
-            metrics=state.metrics,
+            metrics=replace(state.metrics),  # a snapshot: the engine keeps updating its own
         )
 
     @staticmethod
@@ -297,6 +313,8 @@ class LLMEngine:
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
             "kv_cache_usage": kv.usage,
+            "num_free_blocks": kv.block_pool.get_num_free_blocks(),
+            "num_blocks": kv.block_pool.num_blocks,
             "prefix_cache_hit_rate": kv.prefix_cache_stats.hit_rate,
             "num_preemptions": self.scheduler.num_preemptions,
         }

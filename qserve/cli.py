@@ -12,6 +12,8 @@ import click
 
 from qserve.errors import QServeError
 
+logger = logging.getLogger("qserve")
+
 
 class _Group(click.Group):
     """Turns QServeError into one line on stderr and exit status 2, never a traceback."""
@@ -40,6 +42,9 @@ def engine_options(func: Callable[..., Any]) -> Callable[..., Any]:
     """Options shared by every command that runs the engine (generate, serve, eval)."""
     options = [
         click.argument("model", required=False),
+        click.option(
+            "--recipe", default=None, help="Recipe name, YAML path or auto; explicit flags win."
+        ),
         click.option(
             "--dtype",
             default="auto",
@@ -90,8 +95,10 @@ def engine_options(func: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def engine_config(**kw: Any) -> Any:
+    """EngineConfig from the command's options, merged with `--recipe` (explicit flags win)."""
     from qserve.config import EngineConfig
 
+    kw = _with_recipe(kw, "serve")
     return EngineConfig(
         model=kw["model"],
         dtype=kw["dtype"],
@@ -105,6 +112,24 @@ def engine_config(**kw: Any) -> Any:
         enable_prefix_caching=not kw["no_prefix_caching"],
         num_threads=kw["threads"],
     )
+
+
+def _with_recipe(kw: dict[str, Any], section: str) -> dict[str, Any]:
+    """Apply the recipe named by kw["recipe"] (if any) to a command's options and log the
+    effective settings. `section` is "serve" or "quantize"."""
+    from qserve.recipe import apply_recipe, format_settings, resolve_recipe, section_values
+
+    kw = dict(kw)
+    name = kw.pop("recipe", None)
+    if not name:
+        return kw
+    recipe = resolve_recipe(name)
+    values = recipe.serve_values if section == "serve" else section_values(recipe.quantize)
+    kw, origin = apply_recipe(values, kw, click.get_current_context())
+    shown = {k: v for k, v in kw.items() if k in origin}
+    logger.info("recipe %s; effective settings: %s", recipe.name, format_settings(shown, origin))
+    kw["_recipe"] = recipe
+    return kw
 
 
 @cli.command()
@@ -246,6 +271,182 @@ def serve(
     )
     engine = LLMEngine(engine_config(**engine_kw))
     run_server(engine, config)
+
+
+@cli.command()
+@click.argument("model", required=False)
+@click.option(
+    "-m",
+    "--method",
+    default=None,
+    type=click.Choice(["rtn", "gptq", "awq", "int8", "fp8"]),
+    help="rtn/gptq -> GPTQ format, awq -> AWQ gemm, int8/fp8 -> compressed-tensors.",
+)
+@click.option(
+    "-o",
+    "--output",
+    required=True,
+    type=click.Path(file_okay=False),
+    help="Checkpoint folder to write.",
+)
+@click.option("--bits", default=None, type=int, help="4 or 8 (rtn/gptq); default 4 / 8 by method.")
+@click.option(
+    "--group-size",
+    default=128,
+    show_default=True,
+    type=int,
+    help="32, 64, 128 or -1 (per channel).",
+)
+@click.option("--sym/--asym", default=True, show_default=True)
+@click.option("--desc-act", is_flag=True, help="GPTQ act-order (columns by descending H diag).")
+@click.option(
+    "--damp",
+    default=0.01,
+    show_default=True,
+    type=float,
+    help="GPTQ dampening, a fraction of mean(diag H).",
+)
+@click.option(
+    "--calib-data",
+    default=None,
+    help="Calibration .txt/.jsonl; default: bundled Moby-Dick chapters 11+.",
+)
+@click.option("--num-samples", default=128, show_default=True, type=click.IntRange(1))
+@click.option("--seq-len", default=512, show_default=True, type=click.IntRange(16))
+@click.option(
+    "--ignore",
+    multiple=True,
+    default=("lm_head",),
+    show_default=True,
+    help="Module name (or re:REGEX) left unquantized; repeatable.",
+)
+@click.option(
+    "--smooth-alpha", default=0.5, show_default=True, type=float, help="SmoothQuant alpha (int8)."
+)
+@click.option(
+    "--weight-strategy",
+    default="channel",
+    show_default=True,
+    type=click.Choice(["channel", "tensor"]),
+    help="int8/fp8 weight scales.",
+)
+@click.option(
+    "--activation-scheme",
+    default="dynamic",
+    show_default=True,
+    type=click.Choice(["dynamic", "static"]),
+    help="int8/fp8 activation scales.",
+)
+@click.option(
+    "--scales",
+    "scales_path",
+    default=None,
+    type=click.Path(dir_okay=False),
+    help="awq/int8: save the searched scales here, or replay them if the file exists.",
+)
+@click.option("--overwrite", is_flag=True, help="Replace a non-empty output folder.")
+@click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
+@click.option("--recipe", default=None, help="Recipe name or YAML path; explicit flags win.")
+def quantize(
+    model: str | None,
+    method: str | None,
+    output: str,
+    bits: int | None,
+    quiet: bool,
+    calib_data: str | None,
+    **kw: Any,
+) -> None:
+    """Quantize MODEL (default smollm2-135m) into a checkpoint that transformers, vLLM and
+    qserve load."""
+    import time
+
+    from transformers.utils import logging as hf_logging
+
+    from qserve.model.resolve import resolve_model
+    from qserve.quantize.driver import quantize_model
+    from qserve.recipe import write_provenance
+
+    hf_logging.disable_progress_bar()  # ours shows blocks done and time left
+    kw = _with_recipe(dict(kw, method=method, bits=bits, calib_data=calib_data), "quantize")
+    recipe = kw.pop("_recipe", None)
+    kw.pop("kv_cache_dtype", None)  # recorded in the provenance; scales are not calibrated yet
+    if kw["method"] is None:
+        raise QServeError("give --method (rtn, gptq, awq, int8, fp8) or --recipe")
+    kw["bits"] = kw["bits"] or (8 if kw["method"] in ("int8", "fp8") else 4)
+    kw["calib"] = kw.pop("calib_data")
+    start = time.monotonic()
+    folder = quantize_model(
+        resolve_model(model), output, progress=None if quiet else _progress_bar, **kw
+    )
+    write_provenance(folder, recipe, kw)
+    if not quiet:
+        click.echo("", err=True)
+    click.echo(f"wrote {folder} ({kw['method']}, {time.monotonic() - start:.0f} s)")
+
+
+def _progress_bar(done: int, total: int, seconds_left: float) -> None:
+    width = 30
+    filled = width * done // max(total, 1)
+    bar = "#" * filled + "-" * (width - filled)
+    click.echo(f"\rblocks [{bar}] {done}/{total}, ~{seconds_left:.0f} s left", nl=False, err=True)
+
+
+@cli.group()
+def recipes() -> None:
+    """Hardware recipes: one YAML per target for quantize and serve (--recipe NAME|PATH|auto)."""
+
+
+@recipes.command("list")
+def recipes_list() -> None:
+    """One line per shipped recipe: name, target, method, KV cache dtype, description."""
+    from qserve.recipe import shipped_recipes
+
+    for recipe in shipped_recipes():
+        click.echo(recipe.summary())
+
+
+@recipes.command("show")
+@click.argument("name")
+def recipes_show(name: str) -> None:
+    """Print the YAML of recipe NAME (a shipped name or a path)."""
+    from qserve.recipe import find_recipe
+
+    click.echo(find_recipe(name).path.read_text(), nl=False)
+
+
+@recipes.command("check")
+@click.argument("name", default="auto")
+@click.pass_context
+def recipes_check(ctx: click.Context, name: str) -> None:
+    """Whether this machine meets NAME's `requires:`, and which recipe `--recipe auto` picks.
+
+    Exits 1 when the machine does not meet NAME's requirements (auto: when nothing fits)."""
+    from qserve.recipe import AUTO, detect_hardware, find_recipe, unmet_requirements
+
+    hardware = detect_hardware()
+    click.echo(f"this machine: {hardware.describe()}")
+    picked = _auto_pick(hardware)
+    if name == AUTO:
+        ctx.exit(0 if picked is not None else 1)
+    recipe = find_recipe(name)
+    reasons = unmet_requirements(recipe.requires, hardware)
+    verdict = "meets" if not reasons else "does not meet: " + "; ".join(reasons)
+    click.echo(f"{recipe.name} ({recipe.spec.hardware}): {verdict}")
+    if reasons or picked is None:
+        ctx.exit(1)
+
+
+def _auto_pick(hardware: Any) -> Any:
+    """Print and return the recipe `--recipe auto` would pick (None when nothing fits)."""
+    from qserve.recipe import select_recipe, shipped_recipes
+
+    try:
+        recipe = select_recipe(shipped_recipes(), hardware)
+    except QServeError as exc:
+        click.echo(f"--recipe auto: {exc}")
+        return None
+    click.echo(f"--recipe auto picks: {recipe.name} ({recipe.spec.description})")
+    return recipe
 
 
 def main() -> None:

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from qserve.errors import QServeError
+
+if TYPE_CHECKING:  # torch is imported lazily so that recipes and the CLI start fast
+    import torch
 
 _UNITS = {
     "": 1,
@@ -23,8 +25,8 @@ _UNITS = {
 }
 _MEMORY = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-KV_CACHE_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+DTYPES = ("float32", "bfloat16", "float16")
+KV_CACHE_DTYPES = {"fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
 
 
 def parse_memory(text: str | int) -> int:
@@ -40,6 +42,8 @@ def parse_memory(text: str | int) -> int:
 
 def cpu_has_native_bf16() -> bool:
     """AMX tiles or AVX-512 BF16: where oneDNN runs bf16 matmuls faster than fp32."""
+    import torch
+
     cpu = torch.cpu
     checks = ("_is_amx_tile_supported", "_is_avx512_bf16_supported")
     return any(getattr(cpu, name, lambda: False)() for name in checks)
@@ -78,14 +82,19 @@ class EngineConfig:
         return parse_memory(self.kv_cache_memory)
 
     def torch_dtype(self, checkpoint_dtype: torch.dtype) -> torch.dtype:
+        import torch
+
         """'auto' is bf16 where the hardware computes it natively (CUDA; CPUs with AMX or
         AVX-512 BF16) and fp32 elsewhere: on an AVX2-only CPU a bf16 matmul is 4-5x slower
         than fp32. An fp16 checkpoint keeps fp16 on CUDA."""
         if self.dtype != "auto":
-            return DTYPES[self.dtype]
+            return getattr(torch, self.dtype)
         if self.device.startswith("cuda"):
             return torch.float16 if checkpoint_dtype == torch.float16 else torch.bfloat16
         return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
 
     def kv_torch_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
-        return KV_CACHE_DTYPES.get(self.kv_cache_dtype, model_dtype)
+        import torch
+
+        name = KV_CACHE_DTYPES.get(self.kv_cache_dtype)
+        return getattr(torch, name) if name else model_dtype

@@ -1,7 +1,7 @@
 """User-facing errors: one line, no traceback, non-zero exit."""
 
 
-class QServeError(Exception):
+class QServeError(ValueError):
     """An error caused by user input (bad path, bad option, malformed file or request).
 
     The CLI prints `error: <message>` and exits with status 2; the server maps it to a 400

@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
 from qserve.kernels.attention_ref import Scale, is_fp8
 from qserve.kernels.paged_attention import head_scales
 

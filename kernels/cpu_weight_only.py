@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
 from qserve.kernels.packing import (
     unpack_awq_qweight,
     unpack_awq_qzeros,

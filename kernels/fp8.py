@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
 from qserve.kernels.scaled_mm import scaled_mm
 
 FP8_MAX = 448.0

@@ -10,6 +10,7 @@ Weight scale is [N, 1] (per channel) or [1] (per tensor); all scales fp32.
 from __future__ import annotations
 
 import torch
+
 from qserve.kernels.int8_ref import col_scale, per_token_scale, row_scale
 
 FP8_DTYPE = torch.float8_e4m3fn

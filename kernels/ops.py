@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 
 import torch
+
 from qserve.kernels.attention_ref import Scale, paged_attention_ref, reshape_and_cache_ref
 from qserve.kernels.fp8_ref import fp8_scaled_mm_ref, scaled_fp8_quant_ref, w8a8_fp8_linear_ref
 from qserve.kernels.int8_ref import (

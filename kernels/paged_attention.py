@@ -28,6 +28,7 @@ import functools
 import torch
 import triton
 import triton.language as tl
+
 from qserve.kernels.attention_ref import Scale, is_fp8
 
 

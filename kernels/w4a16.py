@@ -29,6 +29,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
 from qserve.kernels.packing import gptq_group_size, pack_factor
 from qserve.kernels.scaled_mm import block_m_for, split_k_for
 

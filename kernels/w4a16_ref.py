@@ -8,6 +8,7 @@ Dequantize the packed weight to W [N, K] (see `packing` for the layouts), then m
 from __future__ import annotations
 
 import torch
+
 from qserve.kernels.packing import dequantize_awq, dequantize_gptq
 
 

@@ -374,10 +374,10 @@ def test_recipe_quantizes_and_generates_on_cpu(tmp_path, tiny_model, name):
     """Each recipe's quantize section runs on CPU; the checkpoint loads and generates with the
     serve section (device, KV memory and context forced to CPU-sized values)."""
     import torch
-    from qserve.quantize.driver import quantize_model
 
     from qserve.engine.llm import LLM
     from qserve.engine.sampling_params import SamplingParams
+    from qserve.quantize.driver import quantize_model
 
     torch.set_num_threads(1)
     recipe = rc.find_recipe(name)

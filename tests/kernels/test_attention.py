@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+
 from qserve.kernels.attention_ref import paged_attention_ref, reshape_and_cache_ref
 from qserve.kernels.cache_write import reshape_and_cache
 from qserve.kernels.paged_attention import paged_attention

@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+
 from qserve.kernels.attention_ref import paged_attention_ref, reshape_and_cache_ref
 
 BLOCK_SIZE = 4

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+
 from qserve.kernels import packing as P
 from qserve.kernels.cpu_weight_only import (
     int4pack_from_awq,

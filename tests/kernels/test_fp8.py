@@ -6,6 +6,7 @@ compared on CUDA only; elsewhere the fp8 operands are made in torch.
 
 import pytest
 import torch
+
 from qserve.kernels.fp8 import fp8_scaled_mm, scaled_fp8_quant, w8a8_fp8_linear
 from qserve.kernels.fp8_ref import (
     fp8_scaled_mm_ref,

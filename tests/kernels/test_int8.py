@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+
 from qserve.kernels.int8 import int8_scaled_mm, scaled_int8_quant, w8a8_int8_linear, w8a16_gemm
 from qserve.kernels.int8_ref import (
     int8_scaled_mm_ref,

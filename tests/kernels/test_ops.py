@@ -4,6 +4,7 @@ import subprocess
 import sys
 
 import torch
+
 from qserve.kernels import ops
 from qserve.kernels import packing as P
 from qserve.kernels.fp8_ref import quantize_weight_fp8_ref, w8a8_fp8_linear_ref

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+
 from qserve.kernels import packing as P
 from qserve.kernels.fp8_ref import (
     FP8_MAX,

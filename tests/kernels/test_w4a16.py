@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+
 from qserve.kernels import packing as P
 from qserve.kernels.w4a16 import awq_gemm, gptq_gemm
 from qserve.kernels.w4a16_ref import awq_gemm_ref, gptq_gemm_ref

@@ -1,0 +1,83 @@
+"""Calibration data: text from a .txt / .jsonl file (or the bundled default), cut into windows.
+
+The default is chapters 11-30 of Moby-Dick (public domain), bundled as
+`qserve/quantize/data/moby_dick_calib.txt`.
+"""
+
+from __future__ import annotations
+
+import json
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from qserve.errors import QServeError
+
+__all__ = ["DEFAULT_CALIBRATION", "load_calibration_text", "calibration_windows"]
+
+DEFAULT_CALIBRATION = "moby_dick_calib.txt"
+
+
+def _strip_header(text: str) -> str:
+    lines = text.splitlines()
+    while lines and (lines[0].startswith("# ") or not lines[0].strip()):
+        lines.pop(0)
+    return "\n".join(lines)
+
+
+def load_calibration_text(calib: str | Path | None = None) -> str:
+    """Text of a .txt file, of a .jsonl file (field "text" of each line, or a bare string per
+    line), or of the bundled default when `calib` is None or "default"."""
+    if calib is None or str(calib) == "default":
+        path = resources.files("qserve.quantize").joinpath("data", DEFAULT_CALIBRATION)
+        return _strip_header(path.read_text(encoding="utf-8"))
+    path = Path(calib)
+    if not path.is_file():
+        raise QServeError(f"calibration file {path} does not exist", param="calib")
+    if path.suffix == ".jsonl":
+        return "\n\n".join(_jsonl_texts(path))
+    if path.suffix == ".txt":
+        return path.read_text(encoding="utf-8")
+    raise QServeError(f"calibration file must be .txt or .jsonl, got {path.name}", param="calib")
+
+
+def _jsonl_texts(path: Path) -> list[str]:
+    texts = []
+    for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row: Any = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise QServeError(f"{path}:{lineno}: not JSON ({e.msg})", param="calib") from None
+        if isinstance(row, dict) and isinstance(row.get("text"), str):
+            texts.append(row["text"])
+        elif isinstance(row, str):
+            texts.append(row)
+        else:
+            raise QServeError(f'{path}:{lineno}: expected {{"text": ...}} or a string', "calib")
+    if not texts:
+        raise QServeError(f"calibration file {path} holds no text", param="calib")
+    return texts
+
+
+def calibration_windows(tokenizer: Any, text: str, num_samples: int, seq_len: int) -> Tensor:
+    """Token ids [num_samples, seq_len]: non-overlapping windows of the tokenized text, evenly
+    spaced (overlapping only when the text is too short for that many)."""
+    if num_samples < 1 or seq_len < 1:
+        raise QServeError("num_samples and seq_len must be positive", param="num_samples")
+    ids = torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
+    T = ids.numel()
+    if T < seq_len:
+        raise QServeError(
+            f"calibration text has {T} tokens, fewer than seq_len={seq_len}", param="calib"
+        )
+    if T >= num_samples * seq_len:
+        starts = [i * seq_len for i in range(num_samples)]
+    else:
+        stride = (T - seq_len) / max(1, num_samples - 1)
+        starts = [round(i * stride) for i in range(num_samples)]
+    return torch.stack([ids[s : s + seq_len] for s in starts])

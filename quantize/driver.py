@@ -1,0 +1,534 @@
+"""The calibration driver: quantize a Hugging Face causal LM one decoder block at a time.
+
+    ids [num_samples, seq_len] --(embeddings, captured at block 0's input)--> X_0
+    for each block b:   collect the inputs of its linears with forward hooks (running X_b through
+                        the block), quantize them with the chosen method, put the dequantized
+                        weights back, and X_{b+1} = block_b(X_b) with the quantized weights.
+    export the quantized tensors in the method's checkpoint format.
+
+transformers (fp32, CPU) is only the calibration vehicle. Methods and their formats:
+
+    rtn    round-to-nearest                          -> GPTQ format (no calibration)
+    gptq   GPTQ, true-sequential inside each block   -> GPTQ format
+    awq    AWQ scale + clip search, asymmetric       -> AWQ gemm format
+    int8   SmoothQuant + int8 per-channel weights    -> compressed-tensors int-quantized (W8A8)
+    fp8    E4M3 weights, per-channel or per-tensor   -> compressed-tensors float-quantized (W8A8)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from qserve.errors import QServeError
+from qserve.quantize import export
+from qserve.quantize.arch import ArchSpec, ScaleMapping, arch_spec
+from qserve.quantize.awq import rescale_stats, search_clip, search_scale
+from qserve.quantize.calibration import calibration_windows, load_calibration_text
+from qserve.quantize.fold import ScaleResult, apply_scales, clip_weight
+from qserve.quantize.fp8 import dequantize_fp8, fp8_input_scale, quantize_fp8
+from qserve.quantize.gptq import accumulate_hessian, gptq_quantize
+from qserve.quantize.rtn import QuantizedWeight, rtn_quantize
+from qserve.quantize.smoothquant import (
+    activation_absmax,
+    dequantize_int8,
+    int8_input_scale,
+    quantize_int8,
+    smooth_scales,
+)
+
+__all__ = ["METHODS", "QuantizeSettings", "W8Weight", "quantize_model", "quantize_blocks"]
+
+METHODS = ("rtn", "gptq", "awq", "int8", "fp8")
+Progress = Callable[[int, int, float], None]  # (blocks done, total blocks, seconds left)
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantizeSettings:
+    """What to quantize and how; checked once in __post_init__."""
+
+    method: str = "gptq"
+    bits: int = 4
+    group_size: int = 128
+    sym: bool = True
+    desc_act: bool = False
+    damp: float = 0.01
+    static_groups: bool = False
+    ignore: tuple[str, ...] = ("lm_head",)
+    smooth_alpha: float = 0.5  # SmoothQuant; <= 0 turns smoothing off
+    weight_strategy: str = "channel"  # int8 / fp8: channel | tensor
+    activation_scheme: str = "dynamic"  # int8 / fp8: dynamic | static
+
+    def __post_init__(self) -> None:
+        m = self.method
+        if m not in METHODS:
+            raise QServeError(f"unknown method {m!r} (choose from {', '.join(METHODS)})", "method")
+        if m in ("rtn", "gptq") and self.bits not in (4, 8):
+            raise QServeError(f"{m} supports bits 4 or 8, got {self.bits}", "bits")
+        if m == "awq" and (self.bits != 4 or self.group_size == -1):
+            raise QServeError("awq supports bits 4 with a group_size (32, 64, 128)", "bits")
+        if m in ("rtn", "gptq", "awq") and self.group_size not in (-1, 32, 64, 128):
+            raise QServeError(f"group_size must be -1, 32, 64 or 128, got {self.group_size}")
+        if self.weight_strategy not in ("channel", "tensor"):
+            raise QServeError("weight_strategy must be 'channel' or 'tensor'", "weight_strategy")
+        if self.activation_scheme not in ("dynamic", "static"):
+            raise QServeError("activation_scheme must be 'dynamic' or 'static'")
+        if not 0 <= self.damp < 1:
+            raise QServeError(f"damp must be in [0, 1), got {self.damp}", "damp")
+
+    @property
+    def searches_scales(self) -> bool:
+        """AWQ and SmoothQuant produce a ScaleResult that can be saved and replayed."""
+        return self.method == "awq" or (self.method == "int8" and self.smooth_alpha > 0)
+
+    def needs_calibration(self, replay: bool = False) -> bool:
+        """Whether calibration inputs are needed (not for a replayed AWQ/SmoothQuant search)."""
+        if self.activation_scheme == "static" and self.method in ("int8", "fp8"):
+            return True
+        return self.method == "gptq" or (self.searches_scales and not replay)
+
+    @property
+    def min_zero(self) -> int:
+        # GPTQ v1 stores zero - 1: asymmetric zeros of 0 are not representable.
+        return 1 if self.method in ("rtn", "gptq") else 0
+
+
+@dataclasses.dataclass(frozen=True)
+class W8Weight:
+    """int8 or fp8 weight Q [N, K] with weight_scale [N, 1] | [1] and optional input_scale [1]."""
+
+    Q: Tensor
+    weight_scale: Tensor
+    input_scale: Tensor | None = None
+
+
+# --------------------------------------------------------------------------------- public API
+
+
+def quantize_model(
+    model_path: str | Path,
+    output_dir: str | Path,
+    method: str = "gptq",
+    bits: int = 4,
+    group_size: int = 128,
+    sym: bool = True,
+    desc_act: bool = False,
+    damp: float = 0.01,
+    static_groups: bool = False,
+    calib: str | Path | None = None,
+    num_samples: int = 128,
+    seq_len: int = 512,
+    ignore: Iterable[str] = ("lm_head",),
+    smooth_alpha: float = 0.5,
+    weight_strategy: str = "channel",
+    activation_scheme: str = "dynamic",
+    dtype: str | None = None,
+    scales_path: str | Path | None = None,
+    overwrite: bool = False,
+    progress: Progress | None = None,
+) -> Path:
+    """Quantize the HF model folder `model_path` into a checkpoint folder `output_dir`.
+
+    `calib`: a .txt / .jsonl file, or None for the bundled Moby-Dick chapters. `ignore`: module
+    names (exact, a dotted suffix, or "re:<regex>") left unquantized. `dtype`: of the tensors left
+    in floating point (default float16 for GPTQ/AWQ formats, bfloat16 for int8/fp8). AWQ is
+    always asymmetric (`sym` is ignored). `scales_path` (awq, int8): where the AWQ/SmoothQuant
+    search result is saved, or, if the file exists, replayed from without calibration.
+    Returns the output folder.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    settings = QuantizeSettings(
+        method=method,
+        bits=bits,
+        group_size=group_size,
+        sym=sym if method != "awq" else False,
+        desc_act=desc_act,
+        damp=damp,
+        static_groups=static_groups,
+        ignore=tuple(ignore),
+        smooth_alpha=smooth_alpha,
+        weight_strategy=weight_strategy,
+        activation_scheme=activation_scheme,
+    )
+    out_dtype = _out_dtype(dtype, method)
+    export.check_output_dir(output_dir, overwrite)
+    if not Path(model_path, "config.json").is_file():
+        raise QServeError(f"{model_path} is not a model folder (no config.json)", param="model")
+    spec = arch_spec(AutoConfig.from_pretrained(model_path).model_type)
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+
+    searched = settings.searches_scales
+    replay = searched and scales_path is not None and Path(scales_path).is_file()
+    scales = ScaleResult.load(scales_path) if replay else ScaleResult()
+    if replay:
+        scales.apply(model, settings.group_size)
+    input_ids = None
+    if settings.needs_calibration(replay):
+        text = load_calibration_text(calib)
+        input_ids = calibration_windows(tokenizer, text, num_samples, seq_len)
+    results = quantize_blocks(
+        model, spec, settings, input_ids, None if replay else scales, progress
+    )
+    if searched and scales_path is not None and not replay:
+        scales.save(scales_path)
+
+    with export.staging_dir(output_dir, overwrite) as tmp:
+        _write(tmp, model, tokenizer, spec, results, settings, out_dtype)
+    return Path(output_dir)
+
+
+def _write(
+    folder: Path,
+    model: nn.Module,
+    tokenizer: Any,
+    spec: ArchSpec,
+    results: dict[str, QuantizedWeight | W8Weight],
+    settings: QuantizeSettings,
+    dtype: torch.dtype,
+) -> None:
+    """The checkpoint folder: weights, config with quantization_config, tokenizer files."""
+    tensors, qconfig, extra = _export_tensors(model, spec, results, settings, dtype)
+    config = model.config.to_dict()
+    config["quantization_config"] = qconfig
+    config["dtype"] = str(dtype).removeprefix("torch.")
+    export.write_checkpoint(folder, tensors, config, extra)
+    tokenizer.save_pretrained(folder)
+    if getattr(model, "generation_config", None) is not None:
+        model.generation_config.save_pretrained(folder)
+
+
+@torch.no_grad()
+def quantize_blocks(
+    model: nn.Module,
+    spec: ArchSpec,
+    settings: QuantizeSettings,
+    input_ids: Tensor | None,
+    scales: ScaleResult | None = None,
+    progress: Progress | None = None,
+) -> dict[str, QuantizedWeight | W8Weight]:
+    """Quantize every block of `model` in place (weights become their dequantized values) and
+    return the quantized tensors by full linear name.
+
+    `input_ids` [S, T] is None for methods that need no calibration. `scales` collects the
+    AWQ / SmoothQuant search results; None skips the search (scales already applied, or none).
+    """
+    blocks: nn.ModuleList = model.get_submodule(spec.blocks)
+    X, kwargs = (
+        _capture_block_inputs(model, blocks[0], input_ids) if input_ids is not None else (None, {})
+    )
+    results: dict[str, QuantizedWeight | W8Weight] = {}
+    start = time.monotonic()
+    for b, block in enumerate(blocks):
+        ctx = _BlockContext(block, f"{spec.blocks}.{b}.", spec, settings, X or [], kwargs)
+        if scales is not None and settings.method == "awq":
+            _awq_search(ctx, scales)
+        elif scales is not None and settings.method == "int8" and settings.smooth_alpha > 0:
+            _smooth_search(ctx, scales)
+        quantize = _BLOCK_QUANTIZERS[settings.method]
+        results.update({ctx.prefix + n: r for n, r in quantize(ctx).items()})
+        X = [block(x, **kwargs) for x in X] if X is not None else None
+        if progress is not None:
+            elapsed = time.monotonic() - start
+            progress(b + 1, len(blocks), elapsed / (b + 1) * (len(blocks) - b - 1))
+    return results
+
+
+# ------------------------------------------------------------------------- one block per method
+
+
+@dataclasses.dataclass
+class _BlockContext:
+    """One decoder block with its calibration inputs X (one [1, T, hidden] per sample)."""
+
+    block: nn.Module
+    prefix: str
+    spec: ArchSpec
+    s: QuantizeSettings
+    X: list[Tensor]
+    kwargs: dict[str, Any]
+
+    @property
+    def names(self) -> list[str]:
+        """The block's linears to quantize (not ignored)."""
+        return [n for n in self.spec.linears if not _is_ignored(self.prefix + n, self.s.ignore)]
+
+    def linear(self, name: str) -> nn.Linear:
+        return self.block.get_submodule(name)
+
+    def collect(self, names: Iterable[str], step: Callable[[Any, Tensor], Any]) -> dict[str, Any]:
+        """Accumulate the inputs of the named linears over X with `step`. Linears of one
+        sequential group read the same input: it is accumulated once, for the first of them."""
+        owner = {n: next(g for g in self.spec.sequential if n in g)[0] for n in names}
+        if not owner:
+            return {}
+        modules = {o: self.linear(o) for o in set(owner.values())}
+        acc = _collect(self.block, modules, self.X, self.kwargs, step)
+        return {n: acc[o] for n, o in owner.items()}
+
+
+def _gptq_block(ctx: _BlockContext) -> dict[str, QuantizedWeight]:
+    """GPTQ, true-sequential: each group's Hessian is taken after earlier groups are quantized."""
+    s, out = ctx.s, {}
+    for group in ctx.spec.sequential:
+        group = [n for n in group if n in ctx.names]
+        for n, (H, _) in ctx.collect(group, _hessian_step).items():
+            W = ctx.linear(n).weight.data
+            qw = gptq_quantize(
+                W, H, s.bits, s.group_size, s.sym, s.damp,
+                desc_act=s.desc_act, static_groups=s.static_groups, min_zero=s.min_zero,
+            )  # fmt: skip
+            out[n] = _set_weight(ctx.linear(n), qw)
+    return out
+
+
+def _rtn_block(ctx: _BlockContext) -> dict[str, QuantizedWeight]:
+    """RTN on the (AWQ-scaled and clipped, for awq) weights."""
+    s, out = ctx.s, {}
+    for n in ctx.names:
+        qw = rtn_quantize(ctx.linear(n).weight.data, s.bits, s.group_size, s.sym, s.min_zero)
+        out[n] = _set_weight(ctx.linear(n), qw)
+    return out
+
+
+def _w8_block(ctx: _BlockContext) -> dict[str, W8Weight]:
+    """int8 / fp8 weights; static activation scales from the inputs of the quantized block."""
+    int8 = ctx.s.method == "int8"
+    quant, dequant = (quantize_int8, dequantize_int8) if int8 else (quantize_fp8, dequantize_fp8)
+    out = {}
+    for n in ctx.names:
+        Q, scale = quant(ctx.linear(n).weight.data, ctx.s.weight_strategy)
+        ctx.linear(n).weight.data.copy_(dequant(Q, scale))
+        out[n] = W8Weight(Q, scale)
+    if ctx.s.activation_scheme == "static":
+        to_scale = int8_input_scale if int8 else fp8_input_scale
+        for n, absmax in ctx.collect(ctx.names, _absmax_step).items():
+            out[n] = dataclasses.replace(out[n], input_scale=to_scale(absmax))
+    return out
+
+
+_BLOCK_QUANTIZERS: dict[str, Callable[[_BlockContext], dict[str, Any]]] = {
+    "rtn": _rtn_block,
+    "gptq": _gptq_block,
+    "awq": _rtn_block,
+    "int8": _w8_block,
+    "fp8": _w8_block,
+}
+
+
+def _set_weight(linear: nn.Linear, qw: QuantizedWeight) -> QuantizedWeight:
+    """Round the scales to fp16 (as stored on disk) and put the dequantized weight back."""
+    qw = dataclasses.replace(qw, scales=qw.scales.to(torch.float16).float())
+    linear.weight.data.copy_(qw.dequantize())
+    return qw
+
+
+def _foldable(ctx: _BlockContext, m: ScaleMapping) -> bool:
+    prev, first = ctx.block.get_submodule(m.prev), ctx.linear(m.linears[0])
+    # grouped-query attention: v_proj's rows do not line up with o_proj's columns
+    return not isinstance(prev, nn.Linear) or prev.weight.shape[0] == first.weight.shape[1]
+
+
+def _awq_search(ctx: _BlockContext, result: ScaleResult) -> None:
+    """AWQ on the float block: scale search + fold for each mapping, then the clip search."""
+    s = ctx.s
+    stats = {n: (abs_sum / n_tok, H) for n, ((H, n_tok), abs_sum) in
+             ctx.collect(ctx.spec.linears, _awq_stats_step).items()}  # fmt: skip
+    for m in filter(lambda m: _foldable(ctx, m), ctx.spec.mappings):
+        lins = [ctx.linear(n) for n in m.linears]
+        x_mean, H = stats[m.linears[0]]
+        scale, _, _ = search_scale(x_mean, H, [w.weight.data for w in lins], s.bits, s.group_size)
+        apply_scales(ctx.block.get_submodule(m.prev), lins, scale)
+        stats.update(dict.fromkeys(m.linears, rescale_stats(x_mean, H, scale)))
+        result.scales[ctx.prefix + m.prev] = scale
+        result.linears[ctx.prefix + m.prev] = [ctx.prefix + n for n in m.linears]
+    for n in ctx.names:
+        if n.endswith(("q_proj", "k_proj")):
+            continue  # the softmax hides their error; AutoAWQ skips them too
+        W = ctx.linear(n).weight.data
+        max_val = search_clip(stats[n][1], W, s.bits, s.group_size)
+        W.copy_(clip_weight(W, max_val, s.group_size))
+        result.clips[ctx.prefix + n] = max_val
+
+
+def _smooth_search(ctx: _BlockContext, result: ScaleResult) -> None:
+    """SmoothQuant: fold s = max|X|^a / max|W|^(1-a) into each norm -> linears mapping."""
+    maps = [m for m in ctx.spec.mappings if m.smooth and _foldable(ctx, m)]
+    absmax = ctx.collect([m.linears[0] for m in maps], _absmax_step)
+    for m in maps:
+        lins = [ctx.linear(n) for n in m.linears]
+        W = [w.weight.data for w in lins]
+        scale = smooth_scales(absmax[m.linears[0]], W, ctx.s.smooth_alpha)
+        apply_scales(ctx.block.get_submodule(m.prev), lins, scale)
+        result.scales[ctx.prefix + m.prev] = scale
+        result.linears[ctx.prefix + m.prev] = [ctx.prefix + n for n in m.linears]
+
+
+# ------------------------------------------------------------------------------ hooks and steps
+
+
+def _hessian_step(acc: tuple[Tensor | None, int] | None, x: Tensor) -> tuple[Tensor, int]:
+    H, n = acc if acc is not None else (None, 0)
+    return accumulate_hessian(H, n, x)
+
+
+def _absmax_step(acc: Tensor | None, x: Tensor) -> Tensor:
+    m = activation_absmax(x)
+    return m if acc is None else torch.maximum(acc, m)
+
+
+def _awq_stats_step(acc: Any, x: Tensor) -> tuple[tuple[Tensor, int], Tensor]:
+    """((H, tokens), sum |x|): what AWQ's searches need of a linear's inputs."""
+    (H, n), abs_sum = acc if acc is not None else ((None, 0), 0.0)
+    x = x.reshape(-1, x.shape[-1]).float()
+    return accumulate_hessian(H, n, x), abs_sum + x.abs().sum(dim=0)
+
+
+def _collect(
+    block: nn.Module,
+    linears: dict[str, nn.Module],
+    X: list[Tensor],
+    kwargs: dict[str, Any],
+    step: Callable[[Any, Tensor], Any],
+) -> dict[str, Any]:
+    """Run X through `block`, folding each linear's inputs into an accumulator with `step`.
+
+    The forward of a sample stops as soon as every hooked linear has seen its input (the rest
+    of the block is not needed): pre-hooks, so a linear's own matmul is skipped too.
+    """
+    acc: dict[str, Any] = dict.fromkeys(linears)
+    seen: set[str] = set()
+
+    def hook(name: str) -> Callable[..., None]:
+        def fn(module: nn.Module, args: tuple[Tensor, ...]) -> None:
+            acc[name] = step(acc[name], args[0].detach())
+            seen.add(name)
+            if len(seen) == len(linears):
+                raise _StopForward
+
+        return fn
+
+    handles = [m.register_forward_pre_hook(hook(n)) for n, m in linears.items()]
+    try:
+        for x in X:
+            seen.clear()
+            try:
+                block(x, **kwargs)
+            except _StopForward:
+                pass
+    finally:
+        for h in handles:
+            h.remove()
+    return acc
+
+
+class _StopForward(Exception):
+    pass
+
+
+def _capture_block_inputs(
+    model: nn.Module, block0: nn.Module, input_ids: Tensor
+) -> tuple[list[Tensor], dict[str, Any]]:
+    """Hidden states entering block 0, one [1, T, hidden] per sample, and the block's kwargs
+    (position embeddings, mask), which are the same for every sample of one length."""
+    X: list[Tensor] = []
+    kwargs: dict[str, Any] = {}
+
+    def pre_hook(module: nn.Module, args: tuple[Any, ...], kw: dict[str, Any]) -> None:
+        X.append((args[0] if args else kw["hidden_states"]).detach())
+        kwargs.update({k: v for k, v in kw.items() if k != "hidden_states"})
+        raise _StopForward
+
+    handle = block0.register_forward_pre_hook(pre_hook, with_kwargs=True)
+    try:
+        for ids in input_ids:
+            try:
+                model(input_ids=ids[None], use_cache=False)
+            except _StopForward:
+                pass
+    finally:
+        handle.remove()
+    for k in ("cache", "past_key_values", "past_key_value"):
+        kwargs.pop(k, None)
+    kwargs["use_cache"] = False
+    return X, kwargs
+
+
+# ------------------------------------------------------------------------------------- export
+
+
+def _is_ignored(name: str, ignore: Iterable[str]) -> bool:
+    for pattern in ignore:
+        if pattern.startswith("re:"):
+            if re.fullmatch(pattern[3:], name):
+                return True
+        elif name == pattern or name.endswith("." + pattern):
+            return True
+    return False
+
+
+def _out_dtype(dtype: str | None, method: str) -> torch.dtype:
+    if dtype is None:
+        return torch.float16 if method in ("rtn", "gptq", "awq") else torch.bfloat16
+    choices = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+    if dtype not in choices:
+        raise QServeError(f"dtype must be one of {', '.join(choices)}, got {dtype!r}", "dtype")
+    return choices[dtype]
+
+
+def _export_tensors(
+    model: nn.Module,
+    spec: ArchSpec,
+    results: dict[str, QuantizedWeight | W8Weight],
+    s: QuantizeSettings,
+    dtype: torch.dtype,
+) -> tuple[dict[str, Tensor], dict[str, Any], dict[str, dict[str, Any]]]:
+    """(tensors, quantization_config, extra JSON files) of the checkpoint."""
+    state = {k: v.detach() for k, v in model.state_dict().items()}
+    if getattr(model.config, "tie_word_embeddings", False):
+        state.pop("lm_head.weight", None)
+    tensors = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
+    to_tensors = {
+        "rtn": export.gptq_tensors,
+        "gptq": export.gptq_tensors,
+        "awq": export.awq_tensors,
+    }.get(s.method, lambda r: export.compressed_tensors(r.Q, r.weight_scale, r.input_scale))
+    for name, r in results.items():
+        del tensors[f"{name}.weight"]
+        tensors.update({f"{name}.{k}": v for k, v in to_tensors(r).items()})
+    return tensors, *_quantization_config(model, spec, set(results), s)
+
+
+def _quantization_config(
+    model: nn.Module, spec: ArchSpec, quantized: set[str], s: QuantizeSettings
+) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
+    """(config.json["quantization_config"], extra JSON files), naming the unquantized linears."""
+    skipped = [
+        n for n, m in model.named_modules() if isinstance(m, nn.Linear) and n not in quantized
+    ]
+    if s.method == "awq":
+        return export.awq_config(s.group_size, [n for n in skipped if n != "lm_head"]), {}
+    if s.method in ("int8", "fp8"):
+        kind = "int" if s.method == "int8" else "float"
+        static = s.activation_scheme == "static"
+        return export.compressed_tensors_config(kind, s.weight_strategy, static, skipped), {}
+    gptq = s.method == "gptq"  # rtn writes the same format, with natural order and no Hessian
+    qconfig = export.gptq_config(
+        s.bits, s.group_size, s.sym, s.desc_act and gptq, s.damp, s.static_groups and gptq,
+        true_sequential=gptq,
+    )  # fmt: skip
+    block0 = f"{spec.blocks}.0."
+    if any(n.startswith(block0) for n in skipped):
+        # optimum/GPTQModel's way of naming the linears that carry quantized tensors
+        qconfig["modules_in_block_to_quantize"] = [
+            [n for n in group if block0 + n in quantized] for group in spec.sequential
+        ]
+    return qconfig, {"quantize_config.json": qconfig}

@@ -1,0 +1,208 @@
+"""Exporters: quantized tensors -> the on-disk formats of DESIGN.md section 4.
+
+Bit packing is `qserve.kernels.packing`'s job; this module only names tensors, picks dtypes and
+writes the configs. Tensor names per quantized linear `<name>`:
+
+    GPTQ   <name>.qweight int32 [K*bits/32, N]   <name>.qzeros int32 [G, N*bits/32]
+           <name>.scales fp16 [G, N]             <name>.g_idx int32 [K]
+    AWQ    <name>.qweight int32 [K, N/8]         <name>.qzeros int32 [G, N/8]
+           <name>.scales fp16 [G, N]
+    compressed-tensors (int8 / fp8)
+           <name>.weight int8|float8_e4m3fn [N, K]
+           <name>.weight_scale fp32 [N, 1] (channel) or [1] (tensor)
+           <name>.input_scale fp32 [1]  (static activations only)
+
+Biases and every other tensor keep their names. A checkpoint is written into a temporary folder
+next to the destination and moved into place at the end (`staging_dir`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+from torch import Tensor
+
+from qserve.errors import QServeError
+from qserve.kernels import packing
+from qserve.quantize.rtn import QuantizedWeight
+
+__all__ = [
+    "gptq_tensors",
+    "awq_tensors",
+    "compressed_tensors",
+    "gptq_config",
+    "awq_config",
+    "compressed_tensors_config",
+    "check_output_dir",
+    "staging_dir",
+    "write_checkpoint",
+]
+
+
+# ------------------------------------------------------------------------------------- tensors
+
+
+def gptq_tensors(qw: QuantizedWeight) -> dict[str, Tensor]:
+    """GPTQ v1 tensors of one linear (suffix -> tensor)."""
+    if qw.Q.shape[1] * qw.bits % 32 or qw.Q.shape[0] * qw.bits % 32:
+        raise QServeError(f"GPTQ {qw.bits}-bit packing needs K and N divisible by {32 // qw.bits}")
+    return {
+        "qweight": packing.pack_gptq_qweight(qw.Q.t(), qw.bits),
+        "qzeros": packing.pack_gptq_qzeros(qw.zeros, qw.bits),
+        "scales": qw.scales.to(torch.float16).contiguous(),
+        "g_idx": qw.g_idx.to(torch.int32).contiguous(),
+    }
+
+
+def awq_tensors(qw: QuantizedWeight) -> dict[str, Tensor]:
+    """AWQ gemm tensors of one linear; AWQ needs 4 bit, asymmetric, groups in natural order."""
+    K = qw.Q.shape[1]
+    if qw.bits != 4:
+        raise QServeError(f"the AWQ format stores 4-bit weights, got {qw.bits}")
+    gs = K if qw.group_size == -1 else qw.group_size
+    if not torch.equal(qw.g_idx.long(), torch.arange(K) // gs):
+        raise QServeError("the AWQ format has no g_idx: groups must be in natural order")
+    return {
+        "qweight": packing.pack_awq_qweight(qw.Q.t()),
+        "qzeros": packing.pack_awq_qzeros(qw.zeros),
+        "scales": qw.scales.to(torch.float16).contiguous(),
+    }
+
+
+def compressed_tensors(
+    Q: Tensor, weight_scale: Tensor, input_scale: Tensor | None = None
+) -> dict[str, Tensor]:
+    """compressed-tensors int8 / fp8 tensors of one linear."""
+    out = {"weight": Q.contiguous(), "weight_scale": weight_scale.float().contiguous()}
+    if input_scale is not None:
+        out["input_scale"] = input_scale.float().reshape(1).contiguous()
+    return out
+
+
+# ------------------------------------------------------------------------------------- configs
+
+
+def gptq_config(
+    bits: int,
+    group_size: int,
+    sym: bool,
+    desc_act: bool,
+    damp_percent: float = 0.01,
+    static_groups: bool = False,
+    true_sequential: bool = True,
+) -> dict[str, Any]:
+    """`quantize_config.json`, also stored as config.json["quantization_config"]."""
+    return {
+        "bits": bits,
+        "group_size": group_size,
+        "desc_act": desc_act,
+        "sym": sym,
+        "damp_percent": damp_percent,
+        "static_groups": static_groups,
+        "true_sequential": true_sequential,
+        "quant_method": "gptq",
+        "checkpoint_format": "gptq",
+        "meta": {"quantizer": ["qserve:0.1.0"]},
+    }
+
+
+def awq_config(group_size: int, modules_to_not_convert: list[str] | None = None) -> dict[str, Any]:
+    return {
+        "quant_method": "awq",
+        "bits": 4,
+        "group_size": group_size,
+        "zero_point": True,
+        "version": "gemm",
+        "modules_to_not_convert": modules_to_not_convert or None,
+    }
+
+
+def compressed_tensors_config(
+    kind: str,
+    weight_strategy: str = "channel",
+    static_activations: bool = False,
+    ignore: list[str] | None = None,
+) -> dict[str, Any]:
+    """W8A8 config; kind "int" (int8, per-token activations) or "float" (fp8 E4M3)."""
+    if kind not in ("int", "float"):
+        raise ValueError(f"kind must be 'int' or 'float', got {kind!r}")
+    return {
+        "quant_method": "compressed-tensors",
+        "format": f"{kind}-quantized",
+        "quantization_status": "compressed",
+        "config_groups": {
+            "group_0": {
+                "targets": ["Linear"],
+                "weights": {
+                    "num_bits": 8,
+                    "type": kind,
+                    "symmetric": True,
+                    "strategy": weight_strategy,
+                    "dynamic": False,
+                },
+                "input_activations": {
+                    "num_bits": 8,
+                    "type": kind,
+                    "symmetric": True,
+                    "strategy": "tensor" if static_activations else "token",
+                    "dynamic": not static_activations,
+                },
+            }
+        },
+        "ignore": list(ignore) if ignore else ["lm_head"],
+        "kv_cache_scheme": None,
+    }
+
+
+# -------------------------------------------------------------------------------------- output
+
+
+def check_output_dir(output_dir: str | Path, overwrite: bool) -> Path:
+    """Refuse a non-empty destination unless `overwrite`; a file in its place is always refused."""
+    out = Path(output_dir)
+    if out.exists() and not out.is_dir():
+        raise QServeError(f"output path {out} exists and is not a folder", param="output")
+    if out.is_dir() and any(out.iterdir()) and not overwrite:
+        raise QServeError(
+            f"output folder {out} is not empty (pass overwrite=True to replace it)",
+            param="output",
+        )
+    return out
+
+
+@contextlib.contextmanager
+def staging_dir(output_dir: str | Path, overwrite: bool = False) -> Iterator[Path]:
+    """A temporary folder beside `output_dir`, moved into its place when the block succeeds."""
+    out = check_output_dir(output_dir, overwrite).resolve()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        yield tmp
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def write_checkpoint(
+    folder: Path,
+    tensors: dict[str, Tensor],
+    config: dict[str, Any],
+    extra_json: dict[str, dict[str, Any]] | None = None,
+) -> None:
+    """model.safetensors + config.json (+ extra JSON files such as quantize_config.json)."""
+    tensors = {k: v.detach().contiguous() for k, v in tensors.items()}
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    for name, payload in (extra_json or {}).items():
+        (folder / name).write_text(json.dumps(payload, indent=2) + "\n")

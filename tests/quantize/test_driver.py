@@ -1,0 +1,270 @@
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from qserve.errors import QServeError
+from qserve.quantize.calibration import load_calibration_text
+from qserve.quantize.driver import quantize_model
+from qserve.quantize.fold import ScaleResult
+
+from ._helpers import load_dequantized, make_tiny_model
+
+LINEARS = {  # name -> (N, K) of the tiny model (hidden 128, intermediate 256, 4 heads of 32)
+    "self_attn.q_proj": (128, 128),
+    "self_attn.k_proj": (128, 128),
+    "self_attn.v_proj": (128, 128),
+    "self_attn.o_proj": (128, 128),
+    "mlp.gate_proj": (256, 128),
+    "mlp.up_proj": (256, 128),
+    "mlp.down_proj": (128, 256),
+}
+CALIB = dict(num_samples=8, seq_len=64)
+_cache: dict[str, Path] = {}
+
+
+def _export(method: str, tiny_llama: Path, tmp_path_factory, **kw) -> Path:
+    key = method + repr(sorted(kw.items()))
+    if key not in _cache:
+        out = tmp_path_factory.mktemp("q") / method
+        group_size = kw.pop("group_size", 32)
+        quantize_model(tiny_llama, out, method=method, group_size=group_size, **CALIB, **kw)
+        _cache[key] = out
+    return _cache[key]
+
+
+def _rel_logit_error(folder: Path, tiny_llama: Path) -> float:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_llama)
+    ids = torch.tensor([tok(load_calibration_text()[-4000:])["input_ids"][:128]])
+    ref = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    with torch.no_grad():
+        L, Lq = ref(ids).logits, load_dequantized(folder)(ids).logits
+    return float((Lq - L).pow(2).mean() / L.pow(2).mean())
+
+
+def _tensors(folder: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(folder / "model.safetensors"))
+
+
+@pytest.mark.parametrize("method", ["rtn", "gptq"])
+def test_gptq_format(method: str, tiny_llama: Path, tmp_path_factory) -> None:
+    out = _export(method, tiny_llama, tmp_path_factory)
+    sd = _tensors(out)
+    for b in range(2):
+        for name, (N, K) in LINEARS.items():
+            p = f"model.layers.{b}.{name}"
+            assert f"{p}.weight" not in sd
+            assert (sd[f"{p}.qweight"].dtype, sd[f"{p}.qweight"].shape) == (
+                torch.int32,
+                (K // 8, N),
+            )
+            assert (sd[f"{p}.qzeros"].dtype, sd[f"{p}.qzeros"].shape) == (
+                torch.int32,
+                (K // 32, N // 8),
+            )
+            assert (sd[f"{p}.scales"].dtype, sd[f"{p}.scales"].shape) == (
+                torch.float16,
+                (K // 32, N),
+            )
+            assert torch.equal(sd[f"{p}.g_idx"], torch.arange(K, dtype=torch.int32) // 32)
+            assert torch.all(sd[f"{p}.qzeros"] == 0x77777777)  # symmetric 4 bit
+    assert sd["lm_head.weight"].dtype == torch.float16
+    assert sd["model.layers.0.input_layernorm.weight"].dtype == torch.float16
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert qc == json.loads((out / "quantize_config.json").read_text())
+    assert (qc["quant_method"], qc["checkpoint_format"], qc["bits"], qc["group_size"]) == (
+        "gptq",
+        "gptq",
+        4,
+        32,
+    )
+    assert (out / "tokenizer.json").is_file()
+
+
+def test_awq_format(tiny_llama: Path, tmp_path_factory) -> None:
+    out = _export("awq", tiny_llama, tmp_path_factory)
+    sd = _tensors(out)
+    for name, (N, K) in LINEARS.items():
+        p = f"model.layers.1.{name}"
+        assert (sd[f"{p}.qweight"].dtype, sd[f"{p}.qweight"].shape) == (torch.int32, (K, N // 8))
+        assert (sd[f"{p}.qzeros"].dtype, sd[f"{p}.qzeros"].shape) == (
+            torch.int32,
+            (K // 32, N // 8),
+        )
+        assert (sd[f"{p}.scales"].dtype, sd[f"{p}.scales"].shape) == (torch.float16, (K // 32, N))
+        assert f"{p}.g_idx" not in sd and f"{p}.weight" not in sd
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert qc["quant_method"] == "awq" and qc["version"] == "gemm" and qc["zero_point"] is True
+
+
+@pytest.mark.parametrize("method,wtype", [("int8", torch.int8), ("fp8", torch.float8_e4m3fn)])
+def test_compressed_tensors_format(method: str, wtype, tiny_llama: Path, tmp_path_factory) -> None:
+    out = _export(method, tiny_llama, tmp_path_factory)
+    sd = _tensors(out)
+    for name, (N, K) in LINEARS.items():
+        p = f"model.layers.0.{name}"
+        assert (sd[f"{p}.weight"].dtype, sd[f"{p}.weight"].shape) == (wtype, (N, K))
+        assert (sd[f"{p}.weight_scale"].dtype, sd[f"{p}.weight_scale"].shape) == (
+            torch.float32,
+            (N, 1),
+        )
+        assert f"{p}.input_scale" not in sd  # dynamic per-token activations
+    assert sd["lm_head.weight"].dtype == torch.bfloat16
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert qc["quant_method"] == "compressed-tensors" and qc["ignore"] == ["lm_head"]
+    kind = "int" if method == "int8" else "float"
+    assert qc["format"] == f"{kind}-quantized"
+    assert qc["config_groups"]["group_0"]["input_activations"]["strategy"] == "token"
+
+
+def test_fp8_static_activations(tiny_llama: Path, tmp_path_factory) -> None:
+    out = _export(
+        "fp8", tiny_llama, tmp_path_factory, activation_scheme="static", weight_strategy="tensor"
+    )
+    sd = _tensors(out)
+    for name in LINEARS:
+        p = f"model.layers.1.{name}"
+        assert sd[f"{p}.weight_scale"].shape == (1,) and sd[f"{p}.input_scale"].shape == (1,)
+        assert sd[f"{p}.input_scale"].dtype == torch.float32 and float(sd[f"{p}.input_scale"]) > 0
+    group = json.loads((out / "config.json").read_text())["quantization_config"]["config_groups"]
+    assert group["group_0"]["input_activations"]["dynamic"] is False
+
+
+def test_logits_stay_close_and_calibrated_methods_beat_rtn(tiny_llama, tmp_path_factory) -> None:
+    err = {
+        m: _rel_logit_error(_export(m, tiny_llama, tmp_path_factory), tiny_llama)
+        for m in ("rtn", "gptq", "awq", "int8", "fp8")
+    }
+    assert err["rtn"] < 0.06
+    assert err["gptq"] < 0.75 * err["rtn"]
+    assert err["awq"] < 0.75 * err["rtn"]
+    assert err["int8"] < 1e-3 and err["fp8"] < 5e-3
+
+
+def test_gptq_desc_act(tiny_llama: Path, tmp_path_factory) -> None:
+    out = _export("gptq", tiny_llama, tmp_path_factory, desc_act=True, sym=False)
+    sd = _tensors(out)
+    g_idx = sd["model.layers.0.mlp.down_proj.g_idx"]
+    assert torch.bincount(g_idx).tolist() == [32] * 8  # each group still holds 32 channels
+    assert not torch.equal(g_idx, torch.arange(256, dtype=torch.int32) // 32)  # act-order
+    assert json.loads((out / "quantize_config.json").read_text())["desc_act"] is True
+    assert _rel_logit_error(out, tiny_llama) < 0.05
+
+
+def test_ignore_and_progress(tiny_llama: Path, tmp_path: Path) -> None:
+    calls = []
+    quantize_model(
+        tiny_llama,
+        tmp_path / "o",
+        method="rtn",
+        group_size=-1,
+        bits=8,
+        ignore=["lm_head", "re:.*\\.down_proj"],
+        progress=lambda *a: calls.append(a),
+    )
+    sd = _tensors(tmp_path / "o")
+    assert sd["model.layers.0.mlp.down_proj.weight"].dtype == torch.float16
+    assert "model.layers.0.mlp.down_proj.qweight" not in sd
+    assert sd["model.layers.0.mlp.up_proj.qweight"].shape == (128 // 4, 256)  # 8 bit
+    assert sd["model.layers.0.mlp.up_proj.scales"].shape == (1, 256)  # group_size -1
+    assert [c[:2] for c in calls] == [(1, 2), (2, 2)] and calls[-1][2] == 0
+
+
+def test_awq_results_replay(tiny_llama: Path, tmp_path: Path) -> None:
+    saved = tmp_path / "awq.safetensors"
+    quantize_model(
+        tiny_llama, tmp_path / "a", method="awq", group_size=64, scales_path=saved, **CALIB
+    )
+    assert saved.is_file()
+    quantize_model(
+        tiny_llama,
+        tmp_path / "b",
+        method="awq",
+        group_size=64,
+        scales_path=saved,
+        calib=tmp_path / "missing.txt",
+    )
+    a, b = _tensors(tmp_path / "a"), _tensors(tmp_path / "b")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_qwen2_gqa_tied_awq(tmp_path: Path) -> None:
+    model = make_tiny_model(tmp_path / "qwen", model_type="qwen2", kv_heads=2, tie=True)
+    quantize_model(model, tmp_path / "o", method="awq", group_size=32, **CALIB)
+    sd = _tensors(tmp_path / "o")
+    assert sd["model.layers.0.self_attn.v_proj.qweight"].shape == (128, 64 // 8)
+    assert sd["model.layers.0.self_attn.q_proj.bias"].dtype == torch.float16
+    assert "lm_head.weight" not in sd  # tied to the embeddings
+    assert _rel_logit_error(tmp_path / "o", model) < 0.05
+
+
+def test_refusals(tiny_llama: Path, tmp_path: Path) -> None:
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "x").write_text("x")
+    with pytest.raises(QServeError, match="not empty"):
+        quantize_model(tiny_llama, tmp_path / "full", method="rtn")
+    (tmp_path / "gpt2").mkdir()
+    (tmp_path / "gpt2" / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    with pytest.raises(QServeError, match="unsupported architecture 'gpt2'"):
+        quantize_model(tmp_path / "gpt2", tmp_path / "o", method="rtn")
+    with pytest.raises(QServeError, match="unknown method"):
+        quantize_model(tiny_llama, tmp_path / "o", method="nf4")
+    with pytest.raises(QServeError, match="awq supports bits 4"):
+        quantize_model(tiny_llama, tmp_path / "o", method="awq", bits=8)
+    with pytest.raises(QServeError, match="not a model folder"):
+        quantize_model(tmp_path / "nowhere", tmp_path / "o", method="rtn")
+    assert not (tmp_path / "o").exists()
+
+
+def test_mistral_wide_heads_awq(tmp_path: Path) -> None:
+    model = make_tiny_model(tmp_path / "mistral", model_type="mistral")
+    saved = tmp_path / "awq.safetensors"
+    quantize_model(model, tmp_path / "o", method="awq", group_size=64, scales_path=saved, **CALIB)
+    sd = _tensors(tmp_path / "o")
+    assert sd["model.layers.0.self_attn.q_proj.qweight"].shape == (128, 256 // 8)
+    assert sd["model.layers.0.self_attn.o_proj.qweight"].shape == (256, 128 // 8)
+    # v_proj (256 outputs) lines up with o_proj (256 inputs): that mapping is folded too.
+    assert ScaleResult.load(saved).scales["model.layers.0.self_attn.v_proj"].shape == (256,)
+    assert _rel_logit_error(tmp_path / "o", model) < 0.05
+
+
+def test_smoothquant_scales_replay(tiny_llama: Path, tmp_path: Path) -> None:
+    saved = tmp_path / "smooth.safetensors"
+    quantize_model(tiny_llama, tmp_path / "a", method="int8", scales_path=saved, **CALIB)
+    result = ScaleResult.load(saved)
+    assert list(result.scales) == [
+        "model.layers.0.input_layernorm",
+        "model.layers.0.post_attention_layernorm",
+        "model.layers.1.input_layernorm",
+        "model.layers.1.post_attention_layernorm",
+    ]
+    assert result.linears["model.layers.1.post_attention_layernorm"] == [
+        "model.layers.1.mlp.gate_proj",
+        "model.layers.1.mlp.up_proj",
+    ]
+    quantize_model(tiny_llama, tmp_path / "b", method="int8", scales_path=saved, calib="nope.txt")
+    a, b = _tensors(tmp_path / "a"), _tensors(tmp_path / "b")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_ignored_linears_are_named_in_the_configs(tiny_llama: Path, tmp_path: Path) -> None:
+    def qconfig(method: str) -> dict:
+        out = tmp_path / method
+        quantize_model(tiny_llama, out, method=method, ignore=["lm_head", "o_proj"], **CALIB)
+        sd = _tensors(out)
+        assert sd["model.layers.1.self_attn.o_proj.weight"].dtype in (torch.float16, torch.bfloat16)
+        return json.loads((out / "config.json").read_text())["quantization_config"]
+
+    skipped = ["model.layers.0.self_attn.o_proj", "model.layers.1.self_attn.o_proj"]
+    assert qconfig("fp8")["ignore"] == [*skipped, "lm_head"]
+    assert qconfig("awq")["modules_to_not_convert"] == skipped
+    assert qconfig("gptq")["modules_in_block_to_quantize"] == [
+        ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"],
+        [],
+        ["mlp.gate_proj", "mlp.up_proj"],
+        ["mlp.down_proj"],
+    ]

@@ -1,6 +1,6 @@
 """Offline throughput: qserve (continuous batching, paged KV) against transformers `generate`.
 
-    python benchmarks/throughput.py [--num-requests 64] [--seed 0] [--dtype bfloat16]
+    python benchmarks/throughput.py [--num-requests 64] [--seed 0] [--dtype auto]
         [--threads 2] [--max-num-seqs 64] [--kv-cache-memory 1GiB] [--skip-hf] [--quick]
         [--output benchmarks/results/throughput.json]
 
@@ -291,7 +291,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--num-requests", type=int, default=None, help="64 (8 with --quick)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
+    p.add_argument(
+        "--dtype",
+        choices=["auto", *sorted(DTYPES)],
+        default="auto",
+        help="auto: the engine's rule (bf16 where the CPU computes it natively, else fp32)",
+    )
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--kv-cache-memory", default="1GiB")
@@ -316,6 +321,10 @@ def workload_config(args: argparse.Namespace) -> WorkloadConfig:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.dtype == "auto":  # resolve once so both sides run the same dtype
+        from qserve.config import EngineConfig
+
+        args.dtype = str(EngineConfig().torch_dtype(torch.float32)).removeprefix("torch.")
     from qserve.model.loader import load_tokenizer
     from qserve.model.resolve import resolve_model
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from qserve.kernels.int8_ref import col_scale, per_token_scale, row_scale
+from qserve.kernels.int8_ref import per_token_scale, scaled_output
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -48,10 +48,7 @@ def fp8_scaled_mm_ref(
 ) -> torch.Tensor:
     """fp8 x_q [M, K] x fp8 w_q [N, K] -> [M, N] in out_dtype, fp32 accumulation."""
     acc = x_q.to(torch.float32) @ w_q.to(torch.float32).t()  # [M, N]
-    out = acc * row_scale(x_scale) * col_scale(w_scale)
-    if bias is not None:
-        out = out + bias.to(torch.float32)
-    return out.to(out_dtype)
+    return scaled_output(acc, x_scale, w_scale, out_dtype, bias)
 
 
 def w8a8_fp8_linear_ref(

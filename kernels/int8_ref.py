@@ -7,7 +7,8 @@ Symmetric int8 (compressed-tensors "int-quantized", SmoothQuant):
     out[m, n]  = (sum_k x_q[m, k] * w_q[n, k]  as int32) * x_scale[m] * w_scale[n]  (+ bias)
 
 A static activation scale is one number ([1]); a weight scale is [N, 1] (per channel) or [1]
-(per tensor). Scales are fp32.
+(per tensor). Scales are fp32. The scale and output helpers here serve `fp8_ref` and `w4a16_ref`
+too.
 """
 
 from __future__ import annotations
@@ -46,6 +47,28 @@ def row_scale(x_scale: torch.Tensor) -> torch.Tensor:
     return x_scale.to(torch.float32).reshape(-1, 1)
 
 
+def scaled_output(
+    acc: torch.Tensor,
+    x_scale: torch.Tensor,
+    w_scale: torch.Tensor,
+    out_dtype: torch.dtype,
+    bias: torch.Tensor | None,
+) -> torch.Tensor:
+    """acc [M, N] (int32 or fp32) * x_scale[m] * w_scale[n] (+ bias), in fp32 -> out_dtype."""
+    out = acc.to(torch.float32) * row_scale(x_scale) * col_scale(w_scale)
+    if bias is not None:
+        out = out + bias.to(torch.float32)
+    return out.to(out_dtype)
+
+
+def linear_fp32(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [M, K] @ w [N, K].T (+ bias) in fp32 -> [M, N] in x's dtype."""
+    out = x.to(torch.float32) @ w.to(torch.float32).t()
+    if bias is not None:
+        out = out + bias.to(torch.float32)
+    return out.to(x.dtype)
+
+
 def int8_scaled_mm_ref(
     x_q: torch.Tensor,
     w_q: torch.Tensor,
@@ -56,10 +79,7 @@ def int8_scaled_mm_ref(
 ) -> torch.Tensor:
     """int8 x_q [M, K] x int8 w_q [N, K] -> [M, N] in out_dtype, int32 accumulation."""
     acc = x_q.to(torch.int32) @ w_q.to(torch.int32).t()  # [M, N] int32, exact
-    out = acc.to(torch.float32) * row_scale(x_scale) * col_scale(w_scale)
-    if bias is not None:
-        out = out + bias.to(torch.float32)
-    return out.to(out_dtype)
+    return scaled_output(acc, x_scale, w_scale, out_dtype, bias)
 
 
 def w8a8_int8_linear_ref(
@@ -82,7 +102,4 @@ def w8a16_gemm_ref(
 ) -> torch.Tensor:
     """Weight-only int8: x [M, K] (fp16/bf16) @ (w_q [N, K] * w_scale).T -> [M, N] in x's dtype."""
     w = w_q.to(torch.float32) * w_scale.to(torch.float32).reshape(-1, 1)  # [N, K]
-    out = x.to(torch.float32) @ w.t()
-    if bias is not None:
-        out = out + bias.to(torch.float32)
-    return out.to(x.dtype)
+    return linear_fp32(x, w, bias)

@@ -7,6 +7,9 @@ CUDA tensor arrives, so this module imports (and the CPU path runs) without trit
 from __future__ import annotations
 
 import functools
+import importlib
+from collections.abc import Callable
+from typing import ParamSpec, TypeVar
 
 import torch
 
@@ -35,6 +38,19 @@ def use_triton(t: torch.Tensor) -> bool:
     return t.is_cuda and triton_available()
 
 
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def _pick(t: torch.Tensor, ref: Callable[_P, _R], launcher: str) -> Callable[_P, _R]:
+    """The Triton launcher `qserve.kernels.<launcher>` ("module.function", imported on first use)
+    when use_triton(t), else the torch reference (same signature)."""
+    if not use_triton(t):
+        return ref
+    module, name = launcher.split(".")
+    return getattr(importlib.import_module(f"qserve.kernels.{module}"), name)
+
+
 # ------------------------------------------------------------------------------- attention
 
 
@@ -47,11 +63,9 @@ def reshape_and_cache(
     v_scale: Scale = 1.0,
 ) -> None:
     """Write new K/V [num_tokens, num_kv_heads, head_dim] into the pages at slot_mapping."""
-    if use_triton(key):
-        from qserve.kernels.cache_write import reshape_and_cache as impl
-    else:
-        impl = reshape_and_cache_ref
-    impl(key, value, kv_cache, slot_mapping, k_scale, v_scale)
+    _pick(key, reshape_and_cache_ref, "cache_write.reshape_and_cache")(
+        key, value, kv_cache, slot_mapping, k_scale, v_scale
+    )
 
 
 def paged_attention(
@@ -65,11 +79,9 @@ def paged_attention(
     v_scale: Scale = 1.0,
 ) -> torch.Tensor:
     """Attention of a flat varlen batch of queries over paged K/V (see attention_ref)."""
-    if use_triton(query):
-        from qserve.kernels.paged_attention import paged_attention as impl
-    else:
-        impl = paged_attention_ref
-    return impl(query, kv_cache, block_tables, seq_lens, query_start_loc, scale, k_scale, v_scale)
+    return _pick(query, paged_attention_ref, "paged_attention.paged_attention")(
+        query, kv_cache, block_tables, seq_lens, query_start_loc, scale, k_scale, v_scale
+    )
 
 
 # ------------------------------------------------------------------------ weight-only GEMMs
@@ -87,11 +99,7 @@ def gptq_gemm(
     """x [M, K] @ GPTQ-packed weight -> [M, N] (layouts in `packing`).
 
     Pass g_idx=None when the groups are consecutive (no desc_act): the kernel is faster."""
-    if use_triton(x):
-        from qserve.kernels.w4a16 import gptq_gemm as impl
-    else:
-        impl = gptq_gemm_ref
-    return impl(x, qweight, qzeros, scales, g_idx, bits, bias)
+    return _pick(x, gptq_gemm_ref, "w4a16.gptq_gemm")(x, qweight, qzeros, scales, g_idx, bits, bias)
 
 
 def awq_gemm(
@@ -103,11 +111,7 @@ def awq_gemm(
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x [M, K] @ AWQ-packed weight -> [M, N] (layouts in `packing`)."""
-    if use_triton(x):
-        from qserve.kernels.w4a16 import awq_gemm as impl
-    else:
-        impl = awq_gemm_ref
-    return impl(x, qweight, qzeros, scales, group_size, bias)
+    return _pick(x, awq_gemm_ref, "w4a16.awq_gemm")(x, qweight, qzeros, scales, group_size, bias)
 
 
 def w8a16_gemm(
@@ -117,11 +121,7 @@ def w8a16_gemm(
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Weight-only int8: x [M, K] @ (w_q [N, K] * w_scale).T -> [M, N]."""
-    if use_triton(x):
-        from qserve.kernels.int8 import w8a16_gemm as impl
-    else:
-        impl = w8a16_gemm_ref
-    return impl(x, w_q, w_scale, bias)
+    return _pick(x, w8a16_gemm_ref, "int8.w8a16_gemm")(x, w_q, w_scale, bias)
 
 
 # ---------------------------------------------------------------------------- int8 W8A8
@@ -131,11 +131,7 @@ def scaled_int8_quant(
     x: torch.Tensor, scale: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] -> (int8 [M, K], fp32 scale [M, 1] dynamic per token, or the static scale)."""
-    if use_triton(x):
-        from qserve.kernels.int8 import scaled_int8_quant as impl
-    else:
-        impl = scaled_int8_quant_ref
-    return impl(x, scale)
+    return _pick(x, scaled_int8_quant_ref, "int8.scaled_int8_quant")(x, scale)
 
 
 def int8_scaled_mm(
@@ -147,11 +143,9 @@ def int8_scaled_mm(
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """int8 [M, K] x int8 [N, K] -> [M, N]: int32 accumulation, per-token x per-channel scales."""
-    if use_triton(x_q):
-        from qserve.kernels.int8 import int8_scaled_mm as impl
-    else:
-        impl = int8_scaled_mm_ref
-    return impl(x_q, w_q, x_scale, w_scale, out_dtype, bias)
+    return _pick(x_q, int8_scaled_mm_ref, "int8.int8_scaled_mm")(
+        x_q, w_q, x_scale, w_scale, out_dtype, bias
+    )
 
 
 def w8a8_int8_linear(
@@ -162,11 +156,9 @@ def w8a8_int8_linear(
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Quantize x to int8 (dynamic per token or static), then int8_scaled_mm."""
-    if use_triton(x):
-        from qserve.kernels.int8 import w8a8_int8_linear as impl
-    else:
-        impl = w8a8_int8_linear_ref
-    return impl(x, w_q, w_scale, input_scale, bias)
+    return _pick(x, w8a8_int8_linear_ref, "int8.w8a8_int8_linear")(
+        x, w_q, w_scale, input_scale, bias
+    )
 
 
 # ----------------------------------------------------------------------------- FP8 W8A8
@@ -176,11 +168,7 @@ def scaled_fp8_quant(
     x: torch.Tensor, scale: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] -> (float8_e4m3fn [M, K], fp32 scale [M, 1] dynamic per token, or static)."""
-    if use_triton(x):
-        from qserve.kernels.fp8 import scaled_fp8_quant as impl
-    else:
-        impl = scaled_fp8_quant_ref
-    return impl(x, scale)
+    return _pick(x, scaled_fp8_quant_ref, "fp8.scaled_fp8_quant")(x, scale)
 
 
 def fp8_scaled_mm(
@@ -192,11 +180,9 @@ def fp8_scaled_mm(
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """fp8 [M, K] x fp8 [N, K] -> [M, N] with fp32 accumulation and the scales."""
-    if use_triton(x_q):
-        from qserve.kernels.fp8 import fp8_scaled_mm as impl
-    else:
-        impl = fp8_scaled_mm_ref
-    return impl(x_q, w_q, x_scale, w_scale, out_dtype, bias)
+    return _pick(x_q, fp8_scaled_mm_ref, "fp8.fp8_scaled_mm")(
+        x_q, w_q, x_scale, w_scale, out_dtype, bias
+    )
 
 
 def w8a8_fp8_linear(
@@ -207,8 +193,4 @@ def w8a8_fp8_linear(
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Quantize x to FP8 (dynamic per token or static), then fp8_scaled_mm."""
-    if use_triton(x):
-        from qserve.kernels.fp8 import w8a8_fp8_linear as impl
-    else:
-        impl = w8a8_fp8_linear_ref
-    return impl(x, w_q, w_scale, input_scale, bias)
+    return _pick(x, w8a8_fp8_linear_ref, "fp8.w8a8_fp8_linear")(x, w_q, w_scale, input_scale, bias)

@@ -1,4 +1,8 @@
-"""Triton scaled GEMM shared by W8A8 int8, W8A8 FP8 and weight-only W8A16.
+"""Triton kernels shared by W8A8 int8, W8A8 FP8 and weight-only W8A16: activation quantization
+and the scaled GEMM (the torch references are in `int8_ref` and `fp8_ref`).
+
+    x_scale[m] = max(max_k |x[m, k]|, 1e-10) / QMAX        dynamic, per token (or one static scale)
+    x_q        = clamp(x / x_scale, QMIN, QMAX)            int8: rounded half to even first
 
     out[M, N] = (a[M, K] @ b[N, K].T) * a_scale[m] * b_scale[n] (+ bias)   in out_dtype
 
@@ -24,6 +28,76 @@ import triton.language as tl
 
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 _FLOAT_ACT = (torch.float16, torch.bfloat16, torch.float32)
+# quantized activation dtype -> (QMIN, QMAX); E4M3 saturates at +-448
+_Q_RANGE = {torch.int8: (-128.0, 127.0), torch.float8_e4m3fn: (-448.0, 448.0)}
+
+
+@triton.jit
+def _round_half_even(y):
+    """rint() from floor(): ties go to the even neighbour, as torch.round does."""
+    r = tl.floor(y + 0.5)
+    tie = (r - y) == 0.5
+    odd = (r - 2.0 * tl.floor(r * 0.5)) != 0.0
+    return tl.where(tie & odd, r - 1.0, r)
+
+
+@triton.jit
+def _quant_kernel(
+    x_ptr,
+    q_ptr,
+    scale_ptr,
+    K,
+    stride_xm,
+    stride_qm,
+    STATIC: tl.constexpr,
+    QMIN: tl.constexpr,
+    QMAX: tl.constexpr,
+    ROUND: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    row = tl.program_id(0)
+    x_row = x_ptr + row * stride_xm
+    if STATIC:
+        scale = tl.load(scale_ptr)
+    else:
+        absmax = tl.zeros((BLOCK_K,), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            offs = k0 + tl.arange(0, BLOCK_K)
+            x = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
+            absmax = tl.maximum(absmax, tl.abs(x))
+        scale = tl.div_rn(tl.maximum(tl.max(absmax, axis=0), 1e-10), QMAX)
+        tl.store(scale_ptr + row, scale)
+    for k0 in range(0, K, BLOCK_K):
+        offs = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
+        y = tl.div_rn(x, scale)
+        if ROUND:
+            y = _round_half_even(y)
+        y = tl.minimum(tl.maximum(y, QMIN), QMAX)
+        tl.store(q_ptr + row * stride_qm + offs, y.to(q_ptr.dtype.element_ty), mask=offs < K)
+
+
+def scaled_quant(
+    x: torch.Tensor, scale: torch.Tensor | None, q_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (x_q [M, K] in q_dtype (int8 or float8_e4m3fn), scale fp32 [M, 1], or the
+    static scale [1])."""
+    if x.dim() != 2 or x.dtype not in _FLOAT_ACT:
+        raise ValueError(f"x must be a 2-D float tensor, got {tuple(x.shape)} {x.dtype}")
+    qmin, qmax = _Q_RANGE[q_dtype]
+    M, K = x.shape
+    x = x.contiguous()
+    q = torch.empty((M, K), device=x.device, dtype=q_dtype)
+    if scale is None:
+        out_scale = torch.empty((M, 1), device=x.device, dtype=torch.float32)
+    else:
+        if scale.numel() != 1:
+            raise ValueError("a static activation scale is one number")
+        out_scale = scale.to(device=x.device, dtype=torch.float32).reshape(1)
+    block_k = min(triton.next_power_of_2(K), 1024 if x.is_cuda else 256)
+    meta = dict(STATIC=scale is not None, QMIN=qmin, QMAX=qmax, ROUND=q_dtype == torch.int8)
+    _quant_kernel[(M,)](x, q, out_scale, K, x.stride(0), q.stride(0), **meta, BLOCK_K=block_k)
+    return q, out_scale
 
 
 @triton.jit
@@ -114,7 +188,8 @@ def _scaled_mm_kernel(
         tl.store(out_ptrs, res.to(out_ptr.dtype.element_ty), mask=mask_out)
 
 
-_CUDA_CONFIGS = [
+# Shared with `w4a16`: one tile space, so both kernels split K the same way.
+CUDA_CONFIGS = [
     triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=s)
     for bn, bk, w, s in [
         (64, 64, 4, 3),
@@ -123,10 +198,11 @@ _CUDA_CONFIGS = [
         (128, 128, 8, 3),
     ]
 ]
+# Under the interpreter (and as the fixed config): small tiles keep the numpy emulation quick.
+FIXED = {"BLOCK_N": 64, "BLOCK_K": 64}
 _scaled_mm_kernel_tuned = triton.autotune(
-    configs=_CUDA_CONFIGS, key=["N", "K", "k_per_split", "BLOCK_M", "IS_INT", "B_TO_A"]
+    configs=CUDA_CONFIGS, key=["N", "K", "k_per_split", "BLOCK_M", "IS_INT", "B_TO_A"]
 )(_scaled_mm_kernel)
-_FIXED = {"BLOCK_N": 64, "BLOCK_K": 64}
 
 
 def block_m_for(M: int) -> int:
@@ -146,9 +222,34 @@ def split_k_for(M: int, N: int, K: int, device: torch.device) -> int:
     if M > 16:
         return 1
     sms = _num_sms(device)
-    block_n = 128 if device.type == "cuda" else _FIXED["BLOCK_N"]
+    block_n = 128 if device.type == "cuda" else FIXED["BLOCK_N"]
     tiles = triton.cdiv(N, block_n)
     return max(1, min(triton.cdiv(2 * sms, tiles), triton.cdiv(K, 256), 32))
+
+
+def k_splits(M: int, N: int, K: int, device: torch.device, split_k: int | None) -> tuple[int, int]:
+    """(split_k, k_per_split): None picks split_k from M; each split is a multiple of the largest
+    BLOCK_K any config uses (so splits align to every config), and none is empty."""
+    gran = 128 if device.type == "cuda" else FIXED["BLOCK_K"]
+    if split_k is None:
+        split_k = split_k_for(M, N, K, device)
+    k_per_split = triton.cdiv(triton.cdiv(K, split_k), gran) * gran
+    return triton.cdiv(K, k_per_split), k_per_split
+
+
+def launch_tiles(kernel, tuned, args: tuple, meta: dict, M: int, N: int, split_k: int) -> None:
+    """Run a GEMM kernel over (M / BLOCK_M, N / BLOCK_N, split_k) programs: `tuned` (its
+    autotuned form) on CUDA, `kernel` with FIXED tiles elsewhere. args[0] is the activation."""
+    block_m = meta["BLOCK_M"]
+    if args[0].is_cuda:
+
+        def grid(cfg: dict) -> tuple[int, int, int]:
+            return (triton.cdiv(M, block_m), triton.cdiv(N, cfg["BLOCK_N"]), split_k)
+
+        tuned[grid](*args, **meta)
+    else:
+        grid = (triton.cdiv(M, block_m), triton.cdiv(N, FIXED["BLOCK_N"]), split_k)
+        kernel[grid](*args, **meta, **FIXED)
 
 
 def _scale_vec(scale: torch.Tensor, n: int, what: str) -> torch.Tensor:
@@ -186,12 +287,7 @@ def scaled_mm(
     if bias is not None and bias.shape != (N,):
         raise ValueError(f"bias must be [{N}], got {tuple(bias.shape)}")
 
-    block_m = block_m_for(M)
-    gran = 128 if a.is_cuda else _FIXED["BLOCK_K"]
-    if split_k is None:
-        split_k = split_k_for(M, N, K, a.device)
-    k_per_split = triton.cdiv(triton.cdiv(K, split_k), gran) * gran
-    split_k = triton.cdiv(K, k_per_split)
+    split_k, k_per_split = k_splits(M, N, K, a.device, split_k)
     split = split_k > 1
     buf_dtype = (torch.int32 if is_int else torch.float32) if split else out_dtype
     out = torch.empty((split_k, M, N), device=a.device, dtype=buf_dtype)
@@ -206,17 +302,9 @@ def scaled_mm(
         HAS_BIAS=bias is not None,
         SPLIT=split,
         DOT_F32=not a.is_cuda or a.dtype == torch.float32,
-        BLOCK_M=block_m,
+        BLOCK_M=block_m_for(M),
     )
-    if a.is_cuda:
-
-        def grid(meta: dict) -> tuple[int, int, int]:
-            return (triton.cdiv(M, block_m), triton.cdiv(N, meta["BLOCK_N"]), split_k)
-
-        _scaled_mm_kernel_tuned[grid](*args, **meta)
-    else:
-        grid = (triton.cdiv(M, block_m), triton.cdiv(N, _FIXED["BLOCK_N"]), split_k)
-        _scaled_mm_kernel[grid](*args, **meta, **_FIXED)
+    launch_tiles(_scaled_mm_kernel, _scaled_mm_kernel_tuned, args, meta, M, N, split_k)
     if not split:
         return out[0]
     res = out.sum(dim=0).to(torch.float32)  # int32 partials sum exactly

@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from qserve.kernels.packing import gptq_group_size, pack_factor
-from qserve.kernels.scaled_mm import block_m_for, split_k_for
+from qserve.kernels.scaled_mm import CUDA_CONFIGS, block_m_for, k_splits, launch_tiles
 
 
 @triton.jit
@@ -147,21 +147,9 @@ def _w4a16_kernel(
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
-_CUDA_CONFIGS = [
-    triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=s)
-    for bn, bk, w, s in [
-        (64, 64, 4, 3),
-        (128, 64, 4, 3),
-        (64, 128, 4, 4),
-        (128, 128, 8, 3),
-    ]
-]
 _w4a16_kernel_tuned = triton.autotune(
-    configs=_CUDA_CONFIGS, key=["N", "K", "k_per_split", "BLOCK_M", "AWQ", "BITS", "GROUP_SIZE"]
+    configs=CUDA_CONFIGS, key=["N", "K", "k_per_split", "BLOCK_M", "AWQ", "BITS", "GROUP_SIZE"]
 )(_w4a16_kernel)
-
-# Under the interpreter (and as the fixed config): small tiles keep the numpy emulation quick.
-_FIXED = {"BLOCK_N": 64, "BLOCK_K": 64}
 
 
 def _launch(
@@ -179,13 +167,7 @@ def _launch(
 ) -> torch.Tensor:
     M, K = x.shape
     x = x.contiguous()
-    block_m = block_m_for(M)
-    # split-K granularity: the largest BLOCK_K any config uses, so splits align to every config
-    gran = 128 if x.is_cuda else _FIXED["BLOCK_K"]
-    if split_k is None:
-        split_k = split_k_for(M, N, K, x.device)
-    k_per_split = triton.cdiv(triton.cdiv(K, split_k), gran) * gran
-    split_k = triton.cdiv(K, k_per_split)
+    split_k, k_per_split = k_splits(M, N, K, x.device, split_k)
     if split_k == 1:
         out = torch.empty((1, M, N), device=x.device, dtype=x.dtype)
     else:
@@ -212,17 +194,9 @@ def _launch(
         GROUP_SIZE=group_size,
         HAS_BIAS=bias is not None and split_k == 1,
         DOT_F32=not x.is_cuda or x.dtype == torch.float32,
-        BLOCK_M=block_m,
+        BLOCK_M=block_m_for(M),
     )
-    if x.is_cuda:
-
-        def grid(meta: dict) -> tuple[int, int, int]:
-            return (triton.cdiv(M, block_m), triton.cdiv(N, meta["BLOCK_N"]), split_k)
-
-        _w4a16_kernel_tuned[grid](*args, **meta)
-    else:
-        grid = (triton.cdiv(M, block_m), triton.cdiv(N, _FIXED["BLOCK_N"]), split_k)
-        _w4a16_kernel[grid](*args, **meta, **_FIXED)
+    launch_tiles(_w4a16_kernel, _w4a16_kernel_tuned, args, meta, M, N, split_k)
     if split_k == 1:
         return out[0]
     res = out.sum(dim=0)

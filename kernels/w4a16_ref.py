@@ -9,14 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from qserve.kernels.int8_ref import linear_fp32
 from qserve.kernels.packing import dequantize_awq, dequantize_gptq
-
-
-def _linear_fp32(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    out = x.to(torch.float32) @ w.to(torch.float32).t()
-    if bias is not None:
-        out = out + bias.to(torch.float32)
-    return out.to(x.dtype)
 
 
 def gptq_gemm_ref(
@@ -31,7 +25,7 @@ def gptq_gemm_ref(
     """x [M, K] @ dequantized GPTQ weight -> [M, N]. g_idx may be an act-order permutation,
     or None for consecutive groups."""
     w = dequantize_gptq(qweight, qzeros, scales, g_idx, bits)  # [N, K]
-    return _linear_fp32(x, w, bias)
+    return linear_fp32(x, w, bias)
 
 
 def awq_gemm_ref(
@@ -44,4 +38,4 @@ def awq_gemm_ref(
 ) -> torch.Tensor:
     """x [M, K] @ dequantized AWQ weight -> [M, N]."""
     w = dequantize_awq(qweight, qzeros, scales, group_size)  # [N, K]
-    return _linear_fp32(x, w, bias)
+    return linear_fp32(x, w, bias)

@@ -32,7 +32,7 @@ CORE = {
 
 
 def _variants() -> list[tuple[str, object, dict[str, str], dict[str, object], dict[str, int]]]:
-    from qserve.kernels import cache_write, fp8, int8, paged_attention, scaled_mm, w4a16
+    from qserve.kernels import cache_write, paged_attention, scaled_mm, w4a16
 
     out = []
     w4_ptrs = dict(qw_ptr="*i32", qz_ptr="*i32", g_ptr="*i32")
@@ -62,15 +62,15 @@ def _variants() -> list[tuple[str, object, dict[str, str], dict[str, object], di
         const.update(B_SCALE_PER_COL=True, HAS_BIAS=True, SPLIT="split" in name, DOT_F32=False)
         const.update(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128)
         out.append((f"scaled_mm_{name}", scaled_mm._scaled_mm_kernel, ptrs, const, {}))
-    for name, kern, q in [
-        ("int8", int8._quant_int8_kernel, "i8"),
-        ("fp8", fp8._quant_fp8_kernel, "fp8e4nv"),
+    for name, q, qmin, qmax, rnd in [
+        ("int8", "i8", -128.0, 127.0, True),
+        ("fp8", "fp8e4nv", -448.0, 448.0, False),
     ]:
         for static in (False, True):
             ptrs = dict(x_ptr="*bf16", q_ptr=f"*{q}", scale_ptr="*fp32")
-            out.append(
-                (f"quant_{name}_static{static}", kern, ptrs, dict(STATIC=static, BLOCK_K=1024), {})
-            )
+            const = dict(STATIC=static, QMIN=qmin, QMAX=qmax, ROUND=rnd, BLOCK_K=1024)
+            kern = scaled_mm._quant_kernel
+            out.append((f"quant_{name}_static{static}", kern, ptrs, const, {}))
     for name, qd, kv, fp, group, d, bm, split in [
         ("fp16_decode", "fp16", "fp16", False, 4, 128, 16, True),
         ("bf16_prefill", "bf16", "bf16", False, 4, 128, 64, False),
@@ -106,14 +106,14 @@ def _autotune_variants(w4a16, scaled_mm) -> list:
     w4_ptrs.update(qw_ptr="*i32", qz_ptr="*i32", g_ptr="*i32")
     mm_ptrs = dict(a_ptr="*fp8e4nv", b_ptr="*fp8e4nv", a_scale_ptr="*fp32", b_scale_ptr="*fp32")
     mm_ptrs.update(bias_ptr="*bf16", out_ptr="*bf16")
-    for i, cfg in enumerate(w4a16._CUDA_CONFIGS):
+    for i, cfg in enumerate(w4a16.CUDA_CONFIGS):
         for bm in (16, 64):
             const = dict(AWQ=False, BITS=4, HAS_BIAS=True, DOT_F32=False, BLOCK_M=bm)
             const["GROUP_SIZE"] = 128
             const.update(cfg.kwargs)
             opts = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
             out.append((f"tune_w4a16_{i}_m{bm}", w4a16._w4a16_kernel, w4_ptrs, const, opts))
-    for i, cfg in enumerate(scaled_mm._CUDA_CONFIGS):
+    for i, cfg in enumerate(scaled_mm.CUDA_CONFIGS):
         for bm in (16, 64):
             const = dict(IS_INT=False, B_TO_A=False, A_SCALE_PER_ROW=True, HAS_A_SCALE=True)
             const.update(B_SCALE_PER_COL=True, HAS_BIAS=True, SPLIT=False, DOT_F32=False)

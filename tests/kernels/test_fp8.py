@@ -15,12 +15,7 @@ from qserve.kernels.fp8_ref import (
     w8a8_fp8_linear_ref,
 )
 
-
-def _assert_out_close(out: torch.Tensor, ref: torch.Tensor) -> None:
-    assert out.shape == ref.shape and out.dtype == ref.dtype
-    eps = {torch.float16: 1e-3, torch.bfloat16: 8e-3, torch.float32: 1e-6}[ref.dtype]
-    atol = 2 * eps * ref.float().abs().max().item()
-    torch.testing.assert_close(out.float(), ref.float(), rtol=2 * eps, atol=atol)
+from ._helpers import assert_out_close
 
 
 @pytest.mark.parametrize("M,K", [(1, 64), (17, 300)])
@@ -52,7 +47,7 @@ def test_fp8_scaled_mm(M, K, N, per_channel, device) -> None:
     bias = torch.randn(N).to(torch.bfloat16)
     args = (x_q, w_q, xs, ws)
     out = fp8_scaled_mm(*(t.to(device) for t in args), torch.bfloat16, bias.to(device))
-    _assert_out_close(out.cpu(), fp8_scaled_mm_ref(*args, torch.bfloat16, bias))
+    assert_out_close(out.cpu(), fp8_scaled_mm_ref(*args, torch.bfloat16, bias))
     out32 = fp8_scaled_mm(*(t.to(device) for t in args), torch.float32)
     ref32 = fp8_scaled_mm_ref(*args, torch.float32)
     torch.testing.assert_close(out32.cpu(), ref32, rtol=1e-5, atol=1e-5 * ref32.abs().max().item())
@@ -67,4 +62,4 @@ def test_w8a8_fp8_linear(M, static, device) -> None:
     s_in = (x.float().abs().amax() / 448).reshape(1) if static else None
     dev = [t.to(device) if t is not None else None for t in (x, w_q, ws, s_in)]
     out = w8a8_fp8_linear(*dev)
-    _assert_out_close(out.cpu(), w8a8_fp8_linear_ref(x, w_q, ws, s_in))
+    assert_out_close(out.cpu(), w8a8_fp8_linear_ref(x, w_q, ws, s_in))

@@ -11,12 +11,7 @@ from qserve.kernels.int8_ref import (
     w8a16_gemm_ref,
 )
 
-
-def _assert_out_close(out: torch.Tensor, ref: torch.Tensor) -> None:
-    assert out.shape == ref.shape and out.dtype == ref.dtype
-    eps = {torch.float16: 1e-3, torch.bfloat16: 8e-3, torch.float32: 1e-6}[ref.dtype]
-    atol = 2 * eps * ref.float().abs().max().item()
-    torch.testing.assert_close(out.float(), ref.float(), rtol=2 * eps, atol=atol)
+from ._helpers import assert_out_close
 
 
 @pytest.mark.parametrize("M,K", [(1, 64), (3, 300), (17, 1100)])
@@ -57,7 +52,7 @@ def test_int8_scaled_mm(M, K, N, per_channel, device) -> None:
     bias = torch.randn(N).half()
     args = (x_q, w_q, xs, ws)
     out = int8_scaled_mm(*(t.to(device) for t in args), torch.float16, bias.to(device))
-    _assert_out_close(out.cpu(), int8_scaled_mm_ref(*args, torch.float16, bias))
+    assert_out_close(out.cpu(), int8_scaled_mm_ref(*args, torch.float16, bias))
     # the int32 accumulation is exact: in fp32 output the only error is the scaling
     out32 = int8_scaled_mm(*(t.to(device) for t in args), torch.float32)
     ref32 = int8_scaled_mm_ref(*args, torch.float32)
@@ -88,7 +83,7 @@ def test_w8a8_int8_linear(M, static, dtype, device) -> None:
     bias = torch.randn(N, dtype=dtype)
     dev = [t.to(device) if t is not None else None for t in (x, w_q, ws, s_in, bias)]
     out = w8a8_int8_linear(*dev)
-    _assert_out_close(out.cpu(), w8a8_int8_linear_ref(x, w_q, ws, s_in, bias))
+    assert_out_close(out.cpu(), w8a8_int8_linear_ref(x, w_q, ws, s_in, bias))
 
 
 @pytest.mark.parametrize("M,K,N", [(1, 256, 128), (3, 200, 72), (17, 64, 64), (64, 96, 32)])
@@ -98,4 +93,4 @@ def test_w8a16_gemm(M, K, N, dtype, device) -> None:
     w_q = torch.randint(-128, 128, (N, K), dtype=torch.int8)
     ws = torch.rand(N, 1) * 0.01
     out = w8a16_gemm(x.to(device), w_q.to(device), ws.to(device))
-    _assert_out_close(out.cpu(), w8a16_gemm_ref(x, w_q, ws))
+    assert_out_close(out.cpu(), w8a16_gemm_ref(x, w_q, ws))

@@ -273,6 +273,49 @@ def serve(
     run_server(engine, config)
 
 
+@cli.command("eval")
+@engine_options
+@click.option(
+    "--data",
+    required=True,
+    help="A .txt file, a folder of .txt files (name order), or moby-dick-eval (chapters 1-10).",
+)
+@click.option("--seq-len", default=512, show_default=True, type=click.IntRange(2))
+@click.option(
+    "--max-tokens",
+    default=None,
+    type=click.IntRange(1),
+    help="Score only the first N tokens of the data (same tokens for every model).",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+def eval_command(
+    data: str, seq_len: int, max_tokens: int | None, as_json: bool, **engine_kw: Any
+) -> None:
+    """Perplexity of MODEL (a folder, quantized checkpoint or alias) on --data, in
+    non-overlapping --seq-len windows, through the engine's paged KV cache."""
+    from qserve.engine.llm_engine import LLMEngine
+    from qserve.eval import evaluate_text, load_eval_text
+
+    text = load_eval_text(data)  # fails fast, before the model loads
+    engine = LLMEngine(engine_config(**engine_kw))
+    result = evaluate_text(engine, text, seq_len, max_tokens)
+    if as_json:
+        info = {
+            "model": engine_kw["model"],
+            "data": data,
+            "seq_len": seq_len,
+            "max_tokens": max_tokens,
+            "dtype": str(engine.dtype).removeprefix("torch."),
+            "kv_cache_dtype": engine.config.kv_cache_dtype,
+        }
+        click.echo(json.dumps({**info, **result.to_dict()}))
+        return
+    click.echo(
+        f"perplexity {result.perplexity:.4f}  tokens {result.num_tokens}  "
+        f"windows {result.num_windows}  seconds {result.seconds:.2f}"
+    )
+
+
 @cli.command()
 @click.argument("model", required=False)
 @click.option(

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from qserve.errors import QServeError
+from qserve.model.quant_config import QuantScheme, parse_quant_scheme
 
 
 @dataclass(frozen=True)
@@ -62,6 +63,7 @@ class ModelConfig:
     eos_token_ids: list[int]
     torch_dtype: torch.dtype  # dtype the checkpoint was saved in
     sliding_window: int | None = None  # None when absent or no shorter than the context
+    quantization: QuantScheme | None = None  # None: a dense checkpoint
 
     @property
     def q_size(self) -> int:
@@ -122,6 +124,7 @@ class ModelConfig:
             eos_token_ids=_eos_token_ids(raw, generation or {}),
             torch_dtype=_dtype(raw, source),
             sliding_window=_sliding_window(raw, max_pos),
+            quantization=parse_quant_scheme(raw.get("quantization_config"), source),
         )
 
 

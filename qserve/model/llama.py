@@ -199,6 +199,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.model = LlamaModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.load_report = None  # loader.LoadReport: scheme and kernel paths, set at load
         self.tie_weights()
 
     def tie_weights(self) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +18,9 @@ from safetensors import SafetensorError, safe_open
 
 from qserve.errors import QServeError
 from qserve.model.config import ModelConfig
+from qserve.model.kv_scales import apply_kv_scales, pop_kv_scales
 from qserve.model.llama import LlamaForCausalLM
+from qserve.model.quant import keeps_stored_dtype, prepare_quant_linears, swap_quant_linears
 
 logger = logging.getLogger("qserve")
 
@@ -28,19 +31,47 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
+@dataclass(frozen=True)
+class LoadReport:
+    """What loading chose: the quantization scheme, the kernel path of each kind of linear
+    (q_proj, ..., lm_head) and how many attention layers got FP8 KV scales from the checkpoint."""
+
+    scheme: str  # "dense" or QuantScheme.describe()
+    linear_paths: dict[str, str]
+    num_kv_scaled_layers: int
+    num_layers: int
+
+    @property
+    def has_kv_scales(self) -> bool:
+        return self.num_kv_scaled_layers == self.num_layers
+
+
 def load_model(
     path: Path, dtype: torch.dtype, device: str = "cpu"
 ) -> tuple[LlamaForCausalLM, ModelConfig]:
-    """Build the model of `path/config.json` and fill it from the folder's safetensors."""
+    """Build the model of `path/config.json` and fill it from the folder's safetensors.
+
+    Quantized checkpoints: the linears the scheme names are swapped for `QuantLinear`s before
+    the tensors are assigned, then repacked once for their kernel. The choices are left in
+    `model.load_report` (a LoadReport)."""
     path = Path(path)
     config = ModelConfig.from_pretrained(path)
     _warn_sliding_window(config, path)
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
     state = read_state_dict(path, dtype, device)
+    kv_scales = pop_kv_scales(state)
+    if config.quantization is not None:
+        swap_quant_linears(model, config.quantization, state)
     _assign_weights(model, state, source=str(path))
     model.model.rotary_emb.init_cache(device)
     _check_materialized(model)
+    model.load_report = LoadReport(
+        scheme=config.quantization.describe() if config.quantization else "dense",
+        linear_paths=prepare_quant_linears(model, dtype),
+        num_kv_scaled_layers=apply_kv_scales(model, kv_scales),
+        num_layers=config.num_hidden_layers,
+    )
     return model.eval().requires_grad_(False), config
 
 
@@ -106,12 +137,13 @@ def iter_checkpoint_tensors(path: Path, device: str = "cpu") -> Iterator[tuple[s
 
 
 def read_state_dict(path: Path, dtype: torch.dtype, device: str = "cpu") -> dict[str, torch.Tensor]:
-    """All tensors of the checkpoint; floating ones cast to `dtype`."""
+    """All tensors of the checkpoint; floating ones cast to `dtype`, except quantization scales
+    and 8-bit (fp8) weights, which keep their stored dtype."""
     state = {}
     for name, tensor in iter_checkpoint_tensors(path, device):
         if name.endswith(_IGNORED_SUFFIXES):
             continue
-        state[name] = tensor.to(dtype) if tensor.is_floating_point() else tensor
+        state[name] = tensor if keeps_stored_dtype(name, tensor) else tensor.to(dtype)
     return state
 
 

@@ -392,3 +392,17 @@ def test_recipe_quantizes_and_generates_on_cpu(tmp_path, tiny_model, name):
     [result] = llm.generate(["Call me Ishmael."], params)
     assert len(result.outputs[0].token_ids) == 4
     assert rc.read_provenance(out)["recipe"] == name
+
+
+def test_engine_start_up_names_the_recipe_that_made_the_checkpoint(tmp_path, caplog):
+    import logging
+
+    from qserve.engine.llm import LLM
+    from qserve.recipe import find_recipe, write_provenance
+    from tests.tiny import save_tiny_llama
+
+    folder = save_tiny_llama(tmp_path / "tiny")
+    write_provenance(folder, find_recipe("cpu-int8"), {"method": "int8"})
+    with caplog.at_level(logging.INFO, logger="qserve"):
+        LLM(str(folder), dtype="float32", kv_cache_memory="1MiB")
+    assert "recipe cpu-int8" in caplog.text

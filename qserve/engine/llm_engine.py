@@ -24,6 +24,7 @@ from qserve.model.config import ModelConfig
 from qserve.model.loader import LoadReport, load_model, load_tokenizer
 from qserve.model.quant import activation_dtype
 from qserve.model.resolve import resolve_model
+from qserve.recipe import read_provenance
 
 logger = logging.getLogger("qserve")
 
@@ -129,7 +130,9 @@ class LLMEngine:
             self.max_model_len,
         )
         report = self.load_report
-        logger.info("weights: %s", report.scheme)
+        made_by = read_provenance(path)
+        recipe = f" (made by qserve quantize, recipe {made_by['recipe']})" if made_by else ""
+        logger.info("weights: %s%s", report.scheme, recipe)
         for kind, kernel in report.linear_paths.items():
             logger.info("  %-10s %s", kind, kernel)
         if is_fp8(kv_spec.dtype):

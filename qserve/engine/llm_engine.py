@@ -76,7 +76,8 @@ class LLMEngine:
         )
         self.model_runner = ModelRunner(model, self.model_config, kv_spec, config.device)
         self.requests: dict[str, RequestState] = {}
-        self._child_to_parent: dict[str, RequestState] = {}
+        # scheduler request id -> (the user's request, that one of its n samples)
+        self._samples: dict[str, tuple[RequestState, SampleState]] = {}
         self._log_startup(path, kv_spec)
 
     def _kv_cache_spec(self) -> KVCacheSpec:
@@ -170,7 +171,7 @@ class LLMEngine:
         )
         self.requests[request_id] = state
         for sample in samples:
-            self._child_to_parent[sample.request.request_id] = state
+            self._samples[sample.request.request_id] = (state, sample)
             self.scheduler.add_request(sample.request)
 
     def _check_prompt(self, prompt_ids: list[int]) -> None:
@@ -219,7 +220,7 @@ class LLMEngine:
             children = [s.request.request_id for s in state.samples]
             self.scheduler.finish_requests(children, RequestStatus.FINISHED_ABORTED)
             for child in children:
-                self._child_to_parent.pop(child, None)
+                self._samples.pop(child, None)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -241,10 +242,8 @@ class LLMEngine:
         now = time.monotonic()
         touched: dict[str, RequestState] = {}
         for request in updated:
-            state = self._child_to_parent[request.request_id]
-            self._update_sample(
-                state, state.samples[self._index_of(state, request)], sampled[request.request_id]
-            )
+            state, sample = self._samples[request.request_id]
+            self._update_sample(state, sample, sampled[request.request_id])
             touched[state.request_id] = state
         outputs = []
         for state in touched.values():
@@ -255,10 +254,6 @@ class LLMEngine:
                 self._forget(state)
             outputs.append(self._make_output(state))
         return outputs
-
-    @staticmethod
-    def _index_of(state: RequestState, request: Request) -> int:
-        return next(s.index for s in state.samples if s.request is request)
 
     def _update_sample(self, state: RequestState, sample: SampleState, token: SampledToken) -> None:
         request = sample.request
@@ -275,7 +270,7 @@ class LLMEngine:
     def _forget(self, state: RequestState) -> None:
         self.requests.pop(state.request_id, None)
         for sample in state.samples:
-            self._child_to_parent.pop(sample.request.request_id, None)
+            self._samples.pop(sample.request.request_id, None)
 
     def _make_output(self, state: RequestState) -> RequestOutput:
         return RequestOutput(

@@ -387,6 +387,18 @@ def eval_command(
     type=click.Path(dir_okay=False),
     help="awq/int8: save the searched scales here, or replay them if the file exists.",
 )
+@click.option(
+    "--kv-cache-dtype",
+    default="auto",
+    show_default=True,
+    type=click.Choice(["auto", "fp8_e4m3", "fp8_e5m2"]),
+    help="FP8: also calibrate and write k_scale/v_scale per attention layer.",
+)
+@click.option(
+    "--device",
+    default=None,
+    help="Calibrate block by block on cpu, cuda or cuda:N. [default: cuda if available, else cpu]",
+)
 @click.option("--overwrite", is_flag=True, help="Replace a non-empty output folder.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
 @click.option("--recipe", default=None, help="Recipe name or YAML path; explicit flags win.")
@@ -412,7 +424,6 @@ def quantize(
     hf_logging.disable_progress_bar()  # ours shows blocks done and time left
     kw = _with_recipe(dict(kw, method=method, bits=bits, calib_data=calib_data), "quantize")
     recipe = kw.pop("_recipe", None)
-    kw.pop("kv_cache_dtype", None)  # recorded in the provenance; scales are not calibrated yet
     if kw["method"] is None:
         raise QServeError("give --method (rtn, gptq, awq, int8, fp8) or --recipe")
     kw["bits"] = kw["bits"] or (8 if kw["method"] in ("int8", "fp8") else 4)

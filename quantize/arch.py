@@ -5,6 +5,8 @@ group's inputs are collected after the previous groups were quantized).
 `mappings`: (prev op, linears it feeds) for AWQ / SmoothQuant scale folding. A mapping whose
 prev is a linear (v_proj -> o_proj) only folds when the shapes line up (no grouped-query
 attention), as AutoAWQ does.
+`attention`: the block's attention module, whose keys/values FP8 KV cache scales are taken of
+(the checkpoint names them `<blocks>.N.<attention>.k_scale` / `v_scale`).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ class ArchSpec:
     blocks: str  # dotted path of the ModuleList of decoder blocks
     sequential: tuple[tuple[str, ...], ...]
     mappings: tuple[ScaleMapping, ...]
+    attention: str = "self_attn"
 
     @property
     def linears(self) -> tuple[str, ...]:

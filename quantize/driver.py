@@ -6,7 +6,16 @@
                         weights back, and X_{b+1} = block_b(X_b) with the quantized weights.
     export the quantized tensors in the method's checkpoint format.
 
-transformers (fp32, CPU) is only the calibration vehicle. Methods and their formats:
+transformers (fp32) is only the calibration vehicle. The model stays on the CPU; only block b,
+its inputs X_b and what is computed from them (Hessians, statistics, the quantized weights) live
+on the working device (`device`: cpu, cuda, cuda:N), so a model larger than device memory still
+fits. The quantized tensors come back to the CPU after each block.
+
+With an FP8 `kv_cache_dtype`, the keys and values block b's attention writes into its KV cache
+(after RoPE) are observed while X_{b+1} is computed, i.e. with the quantized weights the engine
+will serve, and become per-tensor k_scale / v_scale (`qserve.quantize.kv_scales`).
+
+Methods and their formats:
 
     rtn    round-to-nearest                          -> GPTQ format (no calibration)
     gptq   GPTQ, true-sequential inside each block   -> GPTQ format
@@ -17,10 +26,12 @@ transformers (fp32, CPU) is only the calibration vehicle. Methods and their form
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import inspect
 import re
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +46,7 @@ from qserve.quantize.calibration import calibration_windows, load_calibration_te
 from qserve.quantize.fold import ScaleResult, apply_scales, clip_weight
 from qserve.quantize.fp8 import dequantize_fp8, fp8_input_scale, quantize_fp8
 from qserve.quantize.gptq import accumulate_hessian, gptq_quantize
+from qserve.quantize.kv_scales import KVObserver, check_kv_cache_dtype, kv_scale
 from qserve.quantize.rtn import QuantizedWeight, rtn_quantize
 from qserve.quantize.smoothquant import (
     activation_absmax,
@@ -44,7 +56,15 @@ from qserve.quantize.smoothquant import (
     smooth_scales,
 )
 
-__all__ = ["METHODS", "QuantizeSettings", "W8Weight", "quantize_model", "quantize_blocks"]
+__all__ = [
+    "METHODS",
+    "QuantizeSettings",
+    "W8Weight",
+    "BlockResults",
+    "quantize_model",
+    "quantize_blocks",
+    "resolve_device",
+]
 
 METHODS = ("rtn", "gptq", "awq", "int8", "fp8")
 Progress = Callable[[int, int, float], None]  # (blocks done, total blocks, seconds left)
@@ -65,6 +85,7 @@ class QuantizeSettings:
     smooth_alpha: float = 0.5  # SmoothQuant; <= 0 turns smoothing off
     weight_strategy: str = "channel"  # int8 / fp8: channel | tensor
     activation_scheme: str = "dynamic"  # int8 / fp8: dynamic | static
+    kv_cache_dtype: str = "auto"  # fp8_e4m3 | fp8_e5m2: also calibrate k_scale / v_scale
 
     def __post_init__(self) -> None:
         m = self.method
@@ -82,6 +103,11 @@ class QuantizeSettings:
             raise QServeError("activation_scheme must be 'dynamic' or 'static'")
         if not 0 <= self.damp < 1:
             raise QServeError(f"damp must be in [0, 1), got {self.damp}", "damp")
+        check_kv_cache_dtype(self.kv_cache_dtype)
+
+    @property
+    def calibrates_kv_scales(self) -> bool:
+        return check_kv_cache_dtype(self.kv_cache_dtype) is not None
 
     @property
     def searches_scales(self) -> bool:
@@ -89,7 +115,10 @@ class QuantizeSettings:
         return self.method == "awq" or (self.method == "int8" and self.smooth_alpha > 0)
 
     def needs_calibration(self, replay: bool = False) -> bool:
-        """Whether calibration inputs are needed (not for a replayed AWQ/SmoothQuant search)."""
+        """Whether calibration inputs are needed (not for a replayed AWQ/SmoothQuant search, nor
+        for RTN and dynamic int8/fp8, unless KV cache scales are asked for)."""
+        if self.calibrates_kv_scales:
+            return True
         if self.activation_scheme == "static" and self.method in ("int8", "fp8"):
             return True
         return self.method == "gptq" or (self.searches_scales and not replay)
@@ -107,6 +136,15 @@ class W8Weight:
     Q: Tensor
     weight_scale: Tensor
     input_scale: Tensor | None = None
+
+
+@dataclasses.dataclass
+class BlockResults:
+    """What `quantize_blocks` returns, on the CPU."""
+
+    linears: dict[str, QuantizedWeight | W8Weight] = dataclasses.field(default_factory=dict)
+    # attention module (model.layers.N.self_attn) -> (max |K|, max |V|), fp32 scalars
+    kv_absmax: dict[str, tuple[Tensor, Tensor]] = dataclasses.field(default_factory=dict)
 
 
 # --------------------------------------------------------------------------------- public API
@@ -131,6 +169,8 @@ def quantize_model(
     activation_scheme: str = "dynamic",
     dtype: str | None = None,
     scales_path: str | Path | None = None,
+    kv_cache_dtype: str | None = "auto",
+    device: str | None = None,
     overwrite: bool = False,
     progress: Progress | None = None,
 ) -> Path:
@@ -141,7 +181,10 @@ def quantize_model(
     in floating point (default float16 for GPTQ/AWQ formats, bfloat16 for int8/fp8). AWQ is
     always asymmetric (`sym` is ignored). `scales_path` (awq, int8): where the AWQ/SmoothQuant
     search result is saved, or, if the file exists, replayed from without calibration.
-    Returns the output folder.
+    `kv_cache_dtype` fp8_e4m3 | fp8_e5m2: also write calibrated k_scale / v_scale per attention
+    layer (every method then needs calibration data); "auto" or None: no KV scales.
+    `device`: where each block is calibrated and quantized (cpu, cuda, cuda:N; default cuda when
+    available, else cpu). Returns the output folder.
     """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -157,7 +200,9 @@ def quantize_model(
         smooth_alpha=smooth_alpha,
         weight_strategy=weight_strategy,
         activation_scheme=activation_scheme,
+        kv_cache_dtype=kv_cache_dtype or "auto",
     )
+    working_device = resolve_device(device)
     out_dtype = _out_dtype(dtype, method)
     export.check_output_dir(output_dir, overwrite)
     if not Path(model_path, "config.json").is_file():
@@ -176,7 +221,7 @@ def quantize_model(
         text = load_calibration_text(calib)
         input_ids = calibration_windows(tokenizer, text, num_samples, seq_len)
     results = quantize_blocks(
-        model, spec, settings, input_ids, None if replay else scales, progress
+        model, spec, settings, input_ids, None if replay else scales, progress, working_device
     )
     if searched and scales_path is not None and not replay:
         scales.save(scales_path)
@@ -186,12 +231,30 @@ def quantize_model(
     return Path(output_dir)
 
 
+def resolve_device(device: str | None = None) -> torch.device:
+    """The working device of calibration: `device`, or cuda when available, else cpu.
+
+    One that this machine lacks is refused here, before any work."""
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", device):
+        raise QServeError(f"device must be cpu, cuda or cuda:N, got {device!r}", "device")
+    working = torch.device(device)
+    if working.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise QServeError(f"device {device}: CUDA is not available on this machine", "device")
+        if (working.index or 0) >= count:
+            raise QServeError(f"device {device}: this machine has {count} CUDA device(s)", "device")
+    return working
+
+
 def _write(
     folder: Path,
     model: nn.Module,
     tokenizer: Any,
     spec: ArchSpec,
-    results: dict[str, QuantizedWeight | W8Weight],
+    results: BlockResults,
     settings: QuantizeSettings,
     dtype: torch.dtype,
 ) -> None:
@@ -214,32 +277,102 @@ def quantize_blocks(
     input_ids: Tensor | None,
     scales: ScaleResult | None = None,
     progress: Progress | None = None,
-) -> dict[str, QuantizedWeight | W8Weight]:
-    """Quantize every block of `model` in place (weights become their dequantized values) and
-    return the quantized tensors by full linear name.
+    device: torch.device | str = "cpu",
+) -> BlockResults:
+    """Quantize every block of `model` (on the CPU) in place, one at a time on `device`: weights
+    become their dequantized values; the quantized tensors (and, with an FP8 kv_cache_dtype, the
+    K/V absmax of each attention) are returned on the CPU, by full module name.
 
     `input_ids` [S, T] is None for methods that need no calibration. `scales` collects the
     AWQ / SmoothQuant search results; None skips the search (scales already applied, or none).
     """
+    device = torch.device(device)
     blocks: nn.ModuleList = model.get_submodule(spec.blocks)
     X, kwargs = (
-        _capture_block_inputs(model, blocks[0], input_ids) if input_ids is not None else (None, {})
+        _capture_block_inputs(model, blocks[0], input_ids) if input_ids is not None else ([], {})
     )
-    results: dict[str, QuantizedWeight | W8Weight] = {}
+    results = BlockResults()
     start = time.monotonic()
     for b, block in enumerate(blocks):
-        ctx = _BlockContext(block, f"{spec.blocks}.{b}.", spec, settings, X or [], kwargs)
-        if scales is not None and settings.method == "awq":
-            _awq_search(ctx, scales)
-        elif scales is not None and settings.method == "int8" and settings.smooth_alpha > 0:
-            _smooth_search(ctx, scales)
-        quantize = _BLOCK_QUANTIZERS[settings.method]
-        results.update({ctx.prefix + n: r for n, r in quantize(ctx).items()})
-        X = [block(x, **kwargs) for x in X] if X is not None else None
+        with _working_device(block, device):
+            X, kwargs = _to_device(X, device), _to_device(kwargs, device)
+            ctx = _BlockContext(block, f"{spec.blocks}.{b}.", spec, settings, X, kwargs)
+            results.linears.update(_to_device(_quantize_block(ctx, scales), "cpu"))
+            X, kv_absmax = _block_outputs(ctx, last=b == len(blocks) - 1)
+            if kv_absmax is not None:
+                results.kv_absmax[ctx.prefix + spec.attention] = _to_device(kv_absmax, "cpu")
         if progress is not None:
             elapsed = time.monotonic() - start
             progress(b + 1, len(blocks), elapsed / (b + 1) * (len(blocks) - b - 1))
     return results
+
+
+@contextlib.contextmanager
+def _working_device(block: nn.Module, device: torch.device) -> Iterator[None]:
+    """`block` on `device` inside, back on the CPU after. The tensors the algorithms create
+    (torch.zeros, torch.eye: Hessians, codes, scales) default to `device` inside, too."""
+    if device.type == "cpu":
+        yield
+        return
+    block.to(device)
+    try:
+        with device:
+            yield
+    finally:
+        block.to("cpu")
+
+
+def _to_device(obj: Any, device: torch.device | str) -> Any:
+    """`obj` with every tensor in it (lists, tuples, dicts, result dataclasses) on `device`."""
+    if isinstance(obj, Tensor):
+        return obj.to(device)
+    if type(obj) in (list, tuple):
+        return type(obj)(_to_device(o, device) for o in obj)
+    if isinstance(obj, dict):
+        return {k: _to_device(v, device) for k, v in obj.items()}
+    if isinstance(obj, (QuantizedWeight, W8Weight)):
+        fields = {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
+        return dataclasses.replace(obj, **_to_device(fields, device))
+    return obj
+
+
+def _quantize_block(
+    ctx: _BlockContext, scales: ScaleResult | None
+) -> dict[str, QuantizedWeight | W8Weight]:
+    """The AWQ / SmoothQuant search (when `scales` collects it), then the method's quantizer."""
+    s = ctx.s
+    if scales is not None and s.method == "awq":
+        _awq_search(ctx, scales)
+    elif scales is not None and s.method == "int8" and s.smooth_alpha > 0:
+        _smooth_search(ctx, scales)
+    return {ctx.prefix + n: r for n, r in _BLOCK_QUANTIZERS[s.method](ctx).items()}
+
+
+def _block_outputs(
+    ctx: _BlockContext, last: bool
+) -> tuple[list[Tensor], tuple[Tensor, Tensor] | None]:
+    """X_{b+1} = block_b(X_b) with the quantized weights (not needed after the last block unless
+    KV scales are calibrated) and, for KV scales, (max |K|, max |V|) of what attention wrote."""
+    if not ctx.s.calibrates_kv_scales:
+        return ([] if last else [ctx.block(x, **ctx.kwargs) for x in ctx.X]), None
+    observer = KVObserver()
+    kwargs = {**ctx.kwargs, _cache_argument(ctx.block): observer}
+    X = [ctx.block(x, **kwargs) for x in ctx.X]
+    if observer.absmax is None:
+        raise QServeError(
+            f"{ctx.prefix}{ctx.spec.attention} wrote no keys/values into the KV cache it was "
+            "given: cannot calibrate KV cache scales for this model"
+        )
+    return X, observer.absmax
+
+
+def _cache_argument(block: nn.Module) -> str:
+    """The name under which a transformers decoder block takes its KV cache."""
+    parameters = inspect.signature(block.forward).parameters
+    for name in ("cache", "past_key_values", "past_key_value"):
+        if name in parameters:
+            return name
+    raise QServeError(f"{type(block).__name__} takes no KV cache: cannot calibrate KV scales")
 
 
 # ------------------------------------------------------------------------- one block per method
@@ -348,7 +481,7 @@ def _awq_search(ctx: _BlockContext, result: ScaleResult) -> None:
         scale, _, _ = search_scale(x_mean, H, [w.weight.data for w in lins], s.bits, s.group_size)
         apply_scales(ctx.block.get_submodule(m.prev), lins, scale)
         stats.update(dict.fromkeys(m.linears, rescale_stats(x_mean, H, scale)))
-        result.scales[ctx.prefix + m.prev] = scale
+        result.scales[ctx.prefix + m.prev] = scale.cpu()
         result.linears[ctx.prefix + m.prev] = [ctx.prefix + n for n in m.linears]
     for n in ctx.names:
         if n.endswith(("q_proj", "k_proj")):
@@ -356,7 +489,7 @@ def _awq_search(ctx: _BlockContext, result: ScaleResult) -> None:
         W = ctx.linear(n).weight.data
         max_val = search_clip(stats[n][1], W, s.bits, s.group_size)
         W.copy_(clip_weight(W, max_val, s.group_size))
-        result.clips[ctx.prefix + n] = max_val
+        result.clips[ctx.prefix + n] = max_val.cpu()
 
 
 def _smooth_search(ctx: _BlockContext, result: ScaleResult) -> None:
@@ -368,7 +501,7 @@ def _smooth_search(ctx: _BlockContext, result: ScaleResult) -> None:
         W = [w.weight.data for w in lins]
         scale = smooth_scales(absmax[m.linears[0]], W, ctx.s.smooth_alpha)
         apply_scales(ctx.block.get_submodule(m.prev), lins, scale)
-        result.scales[ctx.prefix + m.prev] = scale
+        result.scales[ctx.prefix + m.prev] = scale.cpu()
         result.linears[ctx.prefix + m.prev] = [ctx.prefix + n for n in m.linears]
 
 
@@ -487,7 +620,7 @@ def _out_dtype(dtype: str | None, method: str) -> torch.dtype:
 def _export_tensors(
     model: nn.Module,
     spec: ArchSpec,
-    results: dict[str, QuantizedWeight | W8Weight],
+    results: BlockResults,
     s: QuantizeSettings,
     dtype: torch.dtype,
 ) -> tuple[dict[str, Tensor], dict[str, Any], dict[str, dict[str, Any]]]:
@@ -501,10 +634,13 @@ def _export_tensors(
         "gptq": export.gptq_tensors,
         "awq": export.awq_tensors,
     }.get(s.method, lambda r: export.compressed_tensors(r.Q, r.weight_scale, r.input_scale))
-    for name, r in results.items():
+    for name, r in results.linears.items():
         del tensors[f"{name}.weight"]
         tensors.update({f"{name}.{k}": v for k, v in to_tensors(r).items()})
-    return tensors, *_quantization_config(model, spec, set(results), s)
+    for attention, (k_absmax, v_absmax) in results.kv_absmax.items():
+        k_scale, v_scale = (kv_scale(m, s.kv_cache_dtype) for m in (k_absmax, v_absmax))
+        tensors.update(export.kv_scale_tensors(attention, k_scale, v_scale))
+    return tensors, *_quantization_config(model, spec, set(results.linears), s)
 
 
 def _quantization_config(
@@ -519,7 +655,10 @@ def _quantization_config(
     if s.method in ("int8", "fp8"):
         kind = "int" if s.method == "int8" else "float"
         static = s.activation_scheme == "static"
-        return export.compressed_tensors_config(kind, s.weight_strategy, static, skipped), {}
+        # compressed-tensors' 8-bit float is E4M3: e5m2 scales are written but not declared
+        kv = export.kv_cache_scheme() if s.kv_cache_dtype == "fp8_e4m3" else None
+        qconfig = export.compressed_tensors_config(kind, s.weight_strategy, static, skipped, kv)
+        return qconfig, {}
     gptq = s.method == "gptq"  # rtn writes the same format, with natural order and no Hessian
     qconfig = export.gptq_config(
         s.bits, s.group_size, s.sym, s.desc_act and gptq, s.damp, s.static_groups and gptq,

@@ -12,6 +12,13 @@ writes the configs. Tensor names per quantized linear `<name>`:
            <name>.weight_scale fp32 [N, 1] (channel) or [1] (tensor)
            <name>.input_scale fp32 [1]  (static activations only)
 
+FP8 KV cache scales (`--kv-cache-dtype`), per attention module `<attn>` (model.layers.N.self_attn),
+in every format: <attn>.k_scale fp32 [1], <attn>.v_scale fp32 [1], the names compressed-tensors
+gives them. compressed-tensors checkpoints also declare `kv_cache_scheme` (8-bit float, per tensor,
+i.e. fp8_e4m3). qserve reads these scales in every format; vLLM loads them for compressed-tensors
+(and its own fp8 format) and ignores them in GPTQ / AWQ checkpoints, whose quantization configs
+give its attention layers no KV scales.
+
 Biases and every other tensor keep their names. A checkpoint is written into a temporary folder
 next to the destination and moved into place at the end (`staging_dir`).
 """
@@ -38,9 +45,11 @@ __all__ = [
     "gptq_tensors",
     "awq_tensors",
     "compressed_tensors",
+    "kv_scale_tensors",
     "gptq_config",
     "awq_config",
     "compressed_tensors_config",
+    "kv_cache_scheme",
     "check_output_dir",
     "staging_dir",
     "write_checkpoint",
@@ -87,6 +96,14 @@ def compressed_tensors(
     return out
 
 
+def kv_scale_tensors(attention: str, k_scale: Tensor, v_scale: Tensor) -> dict[str, Tensor]:
+    """Per-tensor FP8 KV cache scales of one attention module (full name -> fp32 [1])."""
+    return {
+        f"{attention}.k_scale": k_scale.float().reshape(1).contiguous(),
+        f"{attention}.v_scale": v_scale.float().reshape(1).contiguous(),
+    }
+
+
 # ------------------------------------------------------------------------------------- configs
 
 
@@ -130,8 +147,10 @@ def compressed_tensors_config(
     weight_strategy: str = "channel",
     static_activations: bool = False,
     ignore: list[str] | None = None,
+    kv_cache_scheme: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """W8A8 config; kind "int" (int8, per-token activations) or "float" (fp8 E4M3)."""
+    """W8A8 config; kind "int" (int8, per-token activations) or "float" (fp8 E4M3).
+    `kv_cache_scheme`: see `kv_cache_scheme()`; None when the checkpoint has no KV scales."""
     if kind not in ("int", "float"):
         raise ValueError(f"kind must be 'int' or 'float', got {kind!r}")
     return {
@@ -158,7 +177,19 @@ def compressed_tensors_config(
             }
         },
         "ignore": list(ignore) if ignore else ["lm_head"],
-        "kv_cache_scheme": None,
+        "kv_cache_scheme": kv_cache_scheme,
+    }
+
+
+def kv_cache_scheme() -> dict[str, Any]:
+    """compressed-tensors `kv_cache_scheme` of static per-tensor FP8 (E4M3) KV scales, what
+    vLLM's CompressedTensorsKVCacheMethod accepts (8-bit float, strategy tensor, symmetric)."""
+    return {
+        "num_bits": 8,
+        "type": "float",
+        "symmetric": True,
+        "strategy": "tensor",
+        "dynamic": False,
     }
 
 

@@ -13,12 +13,16 @@ ORIGINAL input channel, as the GPTQ checkpoint format expects. Weights are W [N,
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
+
 import torch
 from torch import Tensor
 
+from qserve.quantize.fp8 import FP8_MAX, quantize_fp8
 from qserve.quantize.rtn import QuantizedWeight, compute_qparams, num_groups, quantize_codes
 
-__all__ = ["accumulate_hessian", "gptq_quantize"]
+__all__ = ["accumulate_hessian", "gptq_fp8_quantize", "gptq_quantize"]
 
 
 def accumulate_hessian(H: Tensor | None, n: int, X: Tensor) -> tuple[Tensor, int]:
@@ -54,6 +58,49 @@ def _inverse_cholesky_upper(H: Tensor, damp_percent: float, retries: int = 10) -
     raise torch.linalg.LinAlgError(f"H is not positive definite even with damp {damp_percent}+")
 
 
+ColumnQuantizer = Callable[[int, Tensor, Callable[[int], Tensor]], Tensor]
+"""(position i, column w [N], ahead(n) -> the n columns from i on as updated so far)
+-> the quantized-dequantized column [N]; records its codes on the side."""
+
+
+def _error_feedback(W: Tensor, Hinv: Tensor, block_size: int, quantize: ColumnQuantizer) -> None:
+    """The GPTQ column loop over W [N, K] (in visiting order), in place.
+
+    Inside a block of `block_size` columns each column's scaled error is spread at once over
+    the block's later columns; the columns after the block get the block's errors lazily, in
+    one matmul (the "lazy batch update")."""
+    K = W.shape[1]
+    for i1 in range(0, K, block_size):
+        i2 = min(i1 + block_size, K)
+        W1 = W[:, i1:i2].clone()
+        Err1 = torch.zeros_like(W1)
+        Hinv1 = Hinv[i1:i2, i1:i2]
+        for i in range(i2 - i1):
+            w = W1[:, i]
+            ahead = partial(_columns_from, W1, W, i1, i)
+            err = (w - quantize(i1 + i, w, ahead)) / Hinv1[i, i]
+            W1[:, i:] -= err[:, None] @ Hinv1[i, i:][None, :]
+            Err1[:, i] = err
+        W[:, i2:] -= Err1 @ Hinv[i1:i2, i2:]
+
+
+def _columns_from(W1: Tensor, W: Tensor, i1: int, i: int, n: int) -> Tensor:
+    """W[:, i1 + i : i1 + i + n] as it stands mid-block: the block's columns from W1 (errors
+    applied), the later ones from W (lazy updates pending)."""
+    i2 = i1 + W1.shape[1]
+    return torch.cat([W1[:, i:], W[:, i2 : i1 + i + n]], dim=1)[:, :n]
+
+
+def _prepare(W: Tensor, H: Tensor) -> tuple[Tensor, Tensor]:
+    """fp32 copies of W and H with dead input channels (never active) zeroed out of both."""
+    W = W.clone().float()
+    H = H.clone().float()
+    dead = torch.diag(H) == 0
+    H[dead, dead] = 1
+    W[:, dead] = 0
+    return W, H
+
+
 def gptq_quantize(
     W: Tensor,
     H: Tensor,
@@ -67,20 +114,15 @@ def gptq_quantize(
     min_zero: int = 0,
 ) -> QuantizedWeight:
     """Quantize W [N, K] given the Hessian H [K, K] of its inputs; Q in original column order."""
-    W = W.clone().float()
-    H = H.clone().float()
+    W, H = _prepare(W, H)
     N, K = W.shape
-    maxq_bits = bits
     gs = K if group_size == -1 else group_size
     G = num_groups(K, group_size)
-
-    dead = torch.diag(H) == 0
-    H[dead, dead] = 1
-    W[:, dead] = 0
+    fixed_groups = static_groups or group_size == -1
 
     scales = torch.empty(G, N)
     zeros = torch.empty(G, N)
-    if static_groups or group_size == -1:
+    if fixed_groups:
         # Group parameters fixed up front from the (unpermuted) weights.
         for g in range(G):
             scales[g], zeros[g] = compute_qparams(W[:, g * gs : (g + 1) * gs], bits, sym, min_zero)
@@ -92,37 +134,46 @@ def gptq_quantize(
         H = H[perm][:, perm]
     invperm = torch.argsort(perm)
     # Group of the column visited at position i.
-    if static_groups or group_size == -1:
-        group_of_pos = perm // gs
-    else:
-        group_of_pos = torch.arange(K) // gs
-
-    Hinv = _inverse_cholesky_upper(H, damp_percent)
+    group_of_pos = perm // gs if fixed_groups else torch.arange(K) // gs
     Q = torch.zeros(N, K, dtype=torch.int32)
 
-    for i1 in range(0, K, block_size):
-        i2 = min(i1 + block_size, K)
-        W1 = W[:, i1:i2].clone()
-        Err1 = torch.zeros_like(W1)
-        Hinv1 = Hinv[i1:i2, i1:i2]
-        for i in range(i2 - i1):
-            col = i1 + i
-            if not (static_groups or group_size == -1) and col % gs == 0:
-                # Parameters from the error-updated weights of the group (inside this block)
-                # and the lazily-updated ones after it.
-                group_w = torch.cat([W1[:, i:], W[:, i2 : col + gs]], dim=1)[:, :gs]
-                g = col // gs
-                scales[g], zeros[g] = compute_qparams(group_w, bits, sym, min_zero)
-            g = int(group_of_pos[col])
-            w = W1[:, i]
-            q = quantize_codes(w, scales[g], zeros[g], maxq_bits)
-            Q[:, col] = q.to(torch.int32)
-            err = (w - scales[g] * (q - zeros[g])) / Hinv1[i, i]
-            W1[:, i:] -= err[:, None] @ Hinv1[i, i:][None, :]
-            Err1[:, i] = err
-        W[:, i2:] -= Err1 @ Hinv[i1:i2, i2:]
+    def quantize(col: int, w: Tensor, ahead: Callable[[int], Tensor]) -> Tensor:
+        g = int(group_of_pos[col])
+        if not fixed_groups and col % gs == 0:
+            # Parameters from the group's weights as error feedback has left them so far.
+            scales[g], zeros[g] = compute_qparams(ahead(gs), bits, sym, min_zero)
+        q = quantize_codes(w, scales[g], zeros[g], bits)
+        Q[:, col] = q.to(torch.int32)
+        return scales[g] * (q - zeros[g])
 
+    _error_feedback(W, _inverse_cholesky_upper(H, damp_percent), block_size, quantize)
     g_idx = group_of_pos[invperm].to(torch.int32)  # group of each original input channel
     return QuantizedWeight(
         Q[:, invperm].contiguous(), scales, zeros.to(torch.int32), g_idx, bits, group_size, sym
     )
+
+
+def gptq_fp8_quantize(
+    W: Tensor,
+    H: Tensor,
+    strategy: str = "channel",
+    damp_percent: float = 0.01,
+    block_size: int = 128,
+) -> tuple[Tensor, Tensor]:
+    """FP8 E4M3 weights with GPTQ's error feedback: (Q float8_e4m3fn [N, K], scale [N, 1] | [1]).
+
+    The scales are those of plain FP8 quantization (max|w| / 448 per channel or tensor), fixed
+    before the loop; only the rounding of each column takes the Hessian into account, so the
+    checkpoint format is exactly that of `quantize_fp8`."""
+    W, H = _prepare(W, H)
+    _, scale = quantize_fp8(W, strategy)
+    Q = torch.empty(W.shape, dtype=torch.float8_e4m3fn)
+    col_scale = scale.reshape(-1)  # [N] or [1]
+
+    def quantize(col: int, w: Tensor, ahead: Callable[[int], Tensor]) -> Tensor:
+        q = torch.clamp(w / col_scale, -FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+        Q[:, col] = q
+        return q.float() * col_scale
+
+    _error_feedback(W, _inverse_cholesky_upper(H, damp_percent), block_size, quantize)
+    return Q, scale

@@ -2,7 +2,8 @@ import pytest
 import torch
 
 from qserve.kernels.packing import gptq_g_idx
-from qserve.quantize.gptq import accumulate_hessian, gptq_quantize
+from qserve.quantize.fp8 import dequantize_fp8, quantize_fp8
+from qserve.quantize.gptq import accumulate_hessian, gptq_fp8_quantize, gptq_quantize
 from qserve.quantize.rtn import rtn_quantize
 
 
@@ -93,3 +94,16 @@ def test_damping_grows_when_h_is_singular() -> None:
     H, _ = accumulate_hessian(None, 0, X)
     q = gptq_quantize(W, H, 4, 32, True, damp_percent=0.0)
     assert torch.isfinite(q.dequantize()).all()
+
+
+@pytest.mark.parametrize("strategy", ["channel", "tensor"])
+def test_gptq_fp8_below_plain_fp8_in_the_same_format(strategy: str) -> None:
+    W, X, H = _layer(seed=2)
+    Q, scale = gptq_fp8_quantize(W, H, strategy)
+    Q0, scale0 = quantize_fp8(W, strategy)
+    assert Q.dtype == torch.float8_e4m3fn and Q.shape == W.shape
+    torch.testing.assert_close(scale, scale0, rtol=0, atol=0)  # only the rounding changes
+    err = _out_err(X, W, dequantize_fp8(Q, scale))
+    assert err < 0.8 * _out_err(X, W, dequantize_fp8(Q0, scale0))
+    # Error feedback moves weights by a fraction of their range, never to a far code.
+    assert (dequantize_fp8(Q, scale) - W).abs().max() < 0.25 * W.abs().max()

@@ -381,6 +381,11 @@ def eval_command(
     help="int8/fp8 activation scales.",
 )
 @click.option(
+    "--gptq-weights",
+    is_flag=True,
+    help="int8/fp8: round the weights with GPTQ error feedback (needs calibration data).",
+)
+@click.option(
     "--scales",
     "scales_path",
     default=None,

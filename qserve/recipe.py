@@ -76,6 +76,7 @@ class Quantize(_Section):
     smooth_alpha: float | None = Field(None, le=1)
     weight_strategy: Literal["channel", "tensor"] | None = None
     activation_scheme: Literal["dynamic", "static"] | None = None
+    gptq_weights: bool | None = None  # int8 / fp8: GPTQ rounding (needs calibration data)
     dtype: Literal["float16", "bfloat16", "float32"] | None = None
     kv_cache_dtype: Literal["auto", "fp8_e4m3", "fp8_e5m2"] | None = None
 
@@ -264,6 +265,7 @@ _OPTION_METHODS = {
     "smooth_alpha": ("int8",),
     "weight_strategy": ("int8", "fp8"),
     "activation_scheme": ("int8", "fp8"),
+    "gptq_weights": ("int8", "fp8"),
 }
 _METHOD_BITS = {"rtn": (4, 8), "gptq": (4, 8), "awq": (4,), "int8": (8,), "fp8": (8,)}
 

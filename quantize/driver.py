@@ -45,7 +45,7 @@ from qserve.quantize.awq import rescale_stats, search_clip, search_scale
 from qserve.quantize.calibration import calibration_windows, load_calibration_text
 from qserve.quantize.fold import ScaleResult, apply_scales, clip_weight
 from qserve.quantize.fp8 import dequantize_fp8, fp8_input_scale, quantize_fp8
-from qserve.quantize.gptq import accumulate_hessian, gptq_quantize
+from qserve.quantize.gptq import accumulate_hessian, gptq_quantize, gptq_w8_quantize
 from qserve.quantize.kv_scales import KVObserver, check_kv_cache_dtype, kv_scale
 from qserve.quantize.rtn import QuantizedWeight, rtn_quantize
 from qserve.quantize.smoothquant import (
@@ -85,6 +85,7 @@ class QuantizeSettings:
     smooth_alpha: float = 0.5  # SmoothQuant; <= 0 turns smoothing off
     weight_strategy: str = "channel"  # int8 / fp8: channel | tensor
     activation_scheme: str = "dynamic"  # int8 / fp8: dynamic | static
+    gptq_weights: bool = False  # int8 / fp8: round the weights with GPTQ (same format)
     kv_cache_dtype: str = "auto"  # fp8_e4m3 | fp8_e5m2: also calibrate k_scale / v_scale
 
     def __post_init__(self) -> None:
@@ -119,7 +120,9 @@ class QuantizeSettings:
         for RTN and dynamic int8/fp8, unless KV cache scales are asked for)."""
         if self.calibrates_kv_scales:
             return True
-        if self.activation_scheme == "static" and self.method in ("int8", "fp8"):
+        if self.method in ("int8", "fp8") and (
+            self.activation_scheme == "static" or self.gptq_weights
+        ):
             return True
         return self.method == "gptq" or (self.searches_scales and not replay)
 
@@ -167,6 +170,7 @@ def quantize_model(
     smooth_alpha: float = 0.5,
     weight_strategy: str = "channel",
     activation_scheme: str = "dynamic",
+    gptq_weights: bool = False,
     dtype: str | None = None,
     scales_path: str | Path | None = None,
     kv_cache_dtype: str | None = "auto",
@@ -181,6 +185,8 @@ def quantize_model(
     in floating point (default float16 for GPTQ/AWQ formats, bfloat16 for int8/fp8). AWQ is
     always asymmetric (`sym` is ignored). `scales_path` (awq, int8): where the AWQ/SmoothQuant
     search result is saved, or, if the file exists, replayed from without calibration.
+    `gptq_weights` (int8, fp8): round the weights with GPTQ's error feedback instead of to
+    nearest (needs calibration data; same scales and format).
     `kv_cache_dtype` fp8_e4m3 | fp8_e5m2: also write calibrated k_scale / v_scale per attention
     layer (every method then needs calibration data); "auto" or None: no KV scales.
     `device`: where each block is calibrated and quantized (cpu, cuda, cuda:N; default cuda when
@@ -200,6 +206,7 @@ def quantize_model(
         smooth_alpha=smooth_alpha,
         weight_strategy=weight_strategy,
         activation_scheme=activation_scheme,
+        gptq_weights=gptq_weights,
         kv_cache_dtype=kv_cache_dtype or "auto",
     )
     working_device = resolve_device(device)
@@ -433,15 +440,27 @@ def _rtn_block(ctx: _BlockContext) -> dict[str, QuantizedWeight]:
 
 
 def _w8_block(ctx: _BlockContext) -> dict[str, W8Weight]:
-    """int8 / fp8 weights; static activation scales from the inputs of the quantized block."""
-    int8 = ctx.s.method == "int8"
+    """int8 / fp8 weights (rounded to nearest, or with GPTQ true-sequentially); static
+    activation scales from the inputs of the quantized block."""
+    s = ctx.s
+    int8 = s.method == "int8"
     quant, dequant = (quantize_int8, dequantize_int8) if int8 else (quantize_fp8, dequantize_fp8)
     out = {}
-    for n in ctx.names:
-        Q, scale = quant(ctx.linear(n).weight.data, ctx.s.weight_strategy)
-        ctx.linear(n).weight.data.copy_(dequant(Q, scale))
-        out[n] = W8Weight(Q, scale)
-    if ctx.s.activation_scheme == "static":
+    for group in ctx.spec.sequential:
+        group = [n for n in group if n in ctx.names]
+        if s.gptq_weights:
+            hessians = ctx.collect(group, _hessian_step).items()
+            W = {n: ctx.linear(n).weight.data for n in group}
+            results = {
+                n: gptq_w8_quantize(W[n], H, s.method, s.weight_strategy, s.damp)
+                for n, (H, _) in hessians
+            }
+        else:
+            results = {n: quant(ctx.linear(n).weight.data, s.weight_strategy) for n in group}
+        for n, (Q, scale) in results.items():
+            ctx.linear(n).weight.data.copy_(dequant(Q, scale))
+            out[n] = W8Weight(Q, scale)
+    if s.activation_scheme == "static":
         to_scale = int8_input_scale if int8 else fp8_input_scale
         for n, absmax in ctx.collect(ctx.names, _absmax_step).items():
             out[n] = dataclasses.replace(out[n], input_scale=to_scale(absmax))

@@ -21,8 +21,9 @@ from torch import Tensor
 
 from qserve.quantize.fp8 import FP8_MAX, quantize_fp8
 from qserve.quantize.rtn import QuantizedWeight, compute_qparams, num_groups, quantize_codes
+from qserve.quantize.smoothquant import quantize_int8
 
-__all__ = ["accumulate_hessian", "gptq_fp8_quantize", "gptq_quantize"]
+__all__ = ["accumulate_hessian", "gptq_w8_quantize", "gptq_quantize"]
 
 
 def accumulate_hessian(H: Tensor | None, n: int, X: Tensor) -> tuple[Tensor, int]:
@@ -153,27 +154,37 @@ def gptq_quantize(
     )
 
 
-def gptq_fp8_quantize(
+def gptq_w8_quantize(
     W: Tensor,
     H: Tensor,
+    fmt: str = "fp8",
     strategy: str = "channel",
     damp_percent: float = 0.01,
     block_size: int = 128,
 ) -> tuple[Tensor, Tensor]:
-    """FP8 E4M3 weights with GPTQ's error feedback: (Q float8_e4m3fn [N, K], scale [N, 1] | [1]).
+    """int8 or FP8 E4M3 weights rounded with GPTQ's error feedback: (Q [N, K] int8 |
+    float8_e4m3fn, scale fp32 [N, 1] | [1]).
 
-    The scales are those of plain FP8 quantization (max|w| / 448 per channel or tensor), fixed
+    The scales are those of plain rounding (max|w| / 127 or / 448 per channel or tensor), fixed
     before the loop; only the rounding of each column takes the Hessian into account, so the
-    checkpoint format is exactly that of `quantize_fp8`."""
+    checkpoint format is exactly that of `quantize_int8` / `quantize_fp8`."""
+    if fmt not in ("int8", "fp8"):
+        raise ValueError(f"fmt must be 'int8' or 'fp8', got {fmt!r}")
     W, H = _prepare(W, H)
-    _, scale = quantize_fp8(W, strategy)
-    Q = torch.empty(W.shape, dtype=torch.float8_e4m3fn)
+    _, scale = (quantize_int8 if fmt == "int8" else quantize_fp8)(W, strategy)
+    Q = torch.empty(W.shape, dtype=torch.int8 if fmt == "int8" else torch.float8_e4m3fn)
     col_scale = scale.reshape(-1)  # [N] or [1]
 
     def quantize(col: int, w: Tensor, ahead: Callable[[int], Tensor]) -> Tensor:
-        q = torch.clamp(w / col_scale, -FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-        Q[:, col] = q
-        return q.float() * col_scale
+        Q[:, col] = _round_w8(w / col_scale, Q.dtype)
+        return Q[:, col].float() * col_scale
 
     _error_feedback(W, _inverse_cholesky_upper(H, damp_percent), block_size, quantize)
     return Q, scale
+
+
+def _round_w8(x: Tensor, dtype: torch.dtype) -> Tensor:
+    """Nearest int8 code, or nearest FP8 E4M3 value (saturated), of x."""
+    if dtype == torch.int8:
+        return torch.clamp(torch.round(x), -128, 127).to(torch.int8)
+    return torch.clamp(x, -FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)

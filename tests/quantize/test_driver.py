@@ -145,6 +145,21 @@ def test_logits_stay_close_and_calibrated_methods_beat_rtn(tiny_llama, tmp_path_
     assert err["int8"] < 1e-3 and err["fp8"] < 5e-3
 
 
+@pytest.mark.parametrize("method", ["int8", "fp8"])
+def test_gptq_weights_same_format_closer_logits(method: str, tiny_llama: Path, tmp_path_factory):
+    plain = _export(method, tiny_llama, tmp_path_factory, smooth_alpha=0)
+    gptq = _export(method, tiny_llama, tmp_path_factory, smooth_alpha=0, gptq_weights=True)
+    a, b = _tensors(plain), _tensors(gptq)
+    assert a.keys() == b.keys()
+    for key in a:
+        assert (a[key].dtype, a[key].shape) == (b[key].dtype, b[key].shape)
+        if key.endswith("weight_scale"):  # GPTQ changes the rounding, not the scales
+            torch.testing.assert_close(a[key], b[key], rtol=0, atol=0)
+    q = "model.layers.1.mlp.down_proj.weight"
+    assert not torch.equal(a[q].view(torch.uint8), b[q].view(torch.uint8))
+    assert _rel_logit_error(gptq, tiny_llama) < _rel_logit_error(plain, tiny_llama)
+
+
 def test_gptq_desc_act(tiny_llama: Path, tmp_path_factory) -> None:
     out = _export("gptq", tiny_llama, tmp_path_factory, desc_act=True, sym=False)
     sd = _tensors(out)

@@ -3,8 +3,9 @@ import torch
 
 from qserve.kernels.packing import gptq_g_idx
 from qserve.quantize.fp8 import dequantize_fp8, quantize_fp8
-from qserve.quantize.gptq import accumulate_hessian, gptq_fp8_quantize, gptq_quantize
+from qserve.quantize.gptq import accumulate_hessian, gptq_quantize, gptq_w8_quantize
 from qserve.quantize.rtn import rtn_quantize
+from qserve.quantize.smoothquant import dequantize_int8, quantize_int8
 
 
 def _layer(K: int = 256, N: int = 64, n: int = 2048, seed: int = 0):
@@ -96,14 +97,18 @@ def test_damping_grows_when_h_is_singular() -> None:
     assert torch.isfinite(q.dequantize()).all()
 
 
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])
 @pytest.mark.parametrize("strategy", ["channel", "tensor"])
-def test_gptq_fp8_below_plain_fp8_in_the_same_format(strategy: str) -> None:
+def test_gptq_w8_below_plain_rounding_in_the_same_format(fmt: str, strategy: str) -> None:
     W, X, H = _layer(seed=2)
-    Q, scale = gptq_fp8_quantize(W, H, strategy)
-    Q0, scale0 = quantize_fp8(W, strategy)
-    assert Q.dtype == torch.float8_e4m3fn and Q.shape == W.shape
+    Q, scale = gptq_w8_quantize(W, H, fmt, strategy)
+    quant, dequant = (
+        (quantize_int8, dequantize_int8) if fmt == "int8" else (quantize_fp8, dequantize_fp8)
+    )
+    Q0, scale0 = quant(W, strategy)
+    assert Q.dtype == Q0.dtype and Q.shape == W.shape
     torch.testing.assert_close(scale, scale0, rtol=0, atol=0)  # only the rounding changes
-    err = _out_err(X, W, dequantize_fp8(Q, scale))
-    assert err < 0.8 * _out_err(X, W, dequantize_fp8(Q0, scale0))
+    err = _out_err(X, W, dequant(Q, scale))
+    assert err < 0.8 * _out_err(X, W, dequant(Q0, scale0))
     # Error feedback moves weights by a fraction of their range, never to a far code.
-    assert (dequantize_fp8(Q, scale) - W).abs().max() < 0.25 * W.abs().max()
+    assert (dequant(Q, scale) - W).abs().max() < 0.25 * W.abs().max()

@@ -217,6 +217,7 @@ def quantize_model(
     spec = arch_spec(AutoConfig.from_pretrained(model_path).model_type)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    check_group_size(model, spec, settings)
 
     searched = settings.searches_scales
     replay = searched and scales_path is not None and Path(scales_path).is_file()
@@ -254,6 +255,24 @@ def resolve_device(device: str | None = None) -> torch.device:
         if (working.index or 0) >= count:
             raise QServeError(f"device {device}: this machine has {count} CUDA device(s)", "device")
     return working
+
+
+def check_group_size(model: nn.Module, spec: ArchSpec, settings: QuantizeSettings) -> None:
+    """One-line error, before any calibration, when the group size does not divide the input
+    size of a linear that would be quantized (the formats have no partial groups)."""
+    gs = settings.group_size
+    if settings.method not in ("rtn", "gptq", "awq") or gs == -1:
+        return
+    for b, block in enumerate(model.get_submodule(spec.blocks)):
+        for name in spec.linears:
+            full = f"{spec.blocks}.{b}.{name}"
+            K = block.get_submodule(name).in_features
+            if K % gs and not _is_ignored(full, settings.ignore):
+                raise QServeError(
+                    f"group_size {gs} does not divide {full}'s {K} input features "
+                    "(choose a group size that does, or -1 for per-channel)",
+                    param="group_size",
+                )
 
 
 def _write(

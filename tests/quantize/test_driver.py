@@ -235,6 +235,17 @@ def test_refusals(tiny_llama: Path, tmp_path: Path) -> None:
     assert not (tmp_path / "o").exists()
 
 
+def test_group_size_must_divide_in_features(tmp_path: Path) -> None:
+    from tests.tiny import save_tiny_llama
+
+    model = save_tiny_llama(tmp_path / "m")  # hidden 64, intermediate 160
+    with pytest.raises(QServeError, match="group_size 64 does not divide .*mlp.down_proj's 160"):
+        quantize_model(model, tmp_path / "o", method="gptq", group_size=64, **CALIB)
+    assert not (tmp_path / "o").exists()
+    # Leaving the offending linears unquantized is a way out.
+    quantize_model(model, tmp_path / "o", method="rtn", group_size=64, ignore=["down_proj"])
+
+
 def test_mistral_wide_heads_awq(tmp_path: Path) -> None:
     model = make_tiny_model(tmp_path / "mistral", model_type="mistral")
     saved = tmp_path / "awq.safetensors"

@@ -58,6 +58,8 @@ from qserve.quantize.smoothquant import (
 
 __all__ = [
     "METHODS",
+    "SEARCH_FILE",
+    "check_group_size",
     "QuantizeSettings",
     "W8Weight",
     "BlockResults",
@@ -67,6 +69,7 @@ __all__ = [
 ]
 
 METHODS = ("rtn", "gptq", "awq", "int8", "fp8")
+SEARCH_FILE = "qserve/search_scales.safetensors"  # AWQ / SmoothQuant search, in the checkpoint
 Progress = Callable[[int, int, float], None]  # (blocks done, total blocks, seconds left)
 
 
@@ -184,7 +187,8 @@ def quantize_model(
     names (exact, a dotted suffix, or "re:<regex>") left unquantized. `dtype`: of the tensors left
     in floating point (default float16 for GPTQ/AWQ formats, bfloat16 for int8/fp8). AWQ is
     always asymmetric (`sym` is ignored). `scales_path` (awq, int8): where the AWQ/SmoothQuant
-    search result is saved, or, if the file exists, replayed from without calibration.
+    search result is saved, or, if the file exists, replayed from without calibration; the
+    result is also saved in the checkpoint as SEARCH_FILE.
     `gptq_weights` (int8, fp8): round the weights with GPTQ's error feedback instead of to
     nearest (needs calibration data; same scales and format).
     `kv_cache_dtype` fp8_e4m3 | fp8_e5m2: also write calibrated k_scale / v_scale per attention
@@ -236,6 +240,9 @@ def quantize_model(
 
     with export.staging_dir(output_dir, overwrite) as tmp:
         _write(tmp, model, tokenizer, spec, results, settings, out_dtype)
+        if searched:  # replayable with --scales; a subfolder, so no loader takes it for weights
+            (tmp / SEARCH_FILE).parent.mkdir()
+            scales.save(tmp / SEARCH_FILE)
     return Path(output_dir)
 
 

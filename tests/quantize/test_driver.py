@@ -7,7 +7,7 @@ from safetensors.torch import load_file
 
 from qserve.errors import QServeError
 from qserve.quantize.calibration import load_calibration_text
-from qserve.quantize.driver import quantize_model
+from qserve.quantize.driver import SEARCH_FILE, quantize_model
 from qserve.quantize.fold import ScaleResult
 
 from ._helpers import load_dequantized, make_tiny_model
@@ -255,6 +255,10 @@ def test_mistral_wide_heads_awq(tmp_path: Path) -> None:
     assert sd["model.layers.0.self_attn.o_proj.qweight"].shape == (256, 128 // 8)
     # v_proj (256 outputs) lines up with o_proj (256 inputs): that mapping is folded too.
     assert ScaleResult.load(saved).scales["model.layers.0.self_attn.v_proj"].shape == (256,)
+    # The checkpoint carries the same search result, out of the loaders' way.
+    inside = ScaleResult.load(tmp_path / "o" / SEARCH_FILE)
+    assert inside.scales.keys() == ScaleResult.load(saved).scales.keys()
+    assert sorted(p.name for p in (tmp_path / "o").glob("*.safetensors")) == ["model.safetensors"]
     assert _rel_logit_error(tmp_path / "o", model) < 0.05
 
 

@@ -113,7 +113,7 @@ def search_clip(
     for g0 in range(0, K, gs):
         Wg, Hg = W[:, g0 : g0 + gs], H[g0 : g0 + gs, g0 : g0 + gs]  # [N, gs], [gs, gs]
         org_max = Wg.abs().amax(dim=1)  # [N]
-        best_max, best_err = org_max.clone(), torch.full((N,), float("inf"))
+        best_max, best_err = org_max.clone(), torch.full((N,), float("inf"), device=org_max.device)
         for i in range(int(max_shrink * n_grid)):
             max_val = org_max * (1 - i / n_grid)
             Wc = torch.maximum(torch.minimum(Wg, max_val[:, None]), -max_val[:, None])

@@ -34,7 +34,7 @@ def accumulate_hessian(H: Tensor | None, n: int, X: Tensor) -> tuple[Tensor, int
     X = X.reshape(-1, X.shape[-1]).float()
     m = X.shape[0]
     if H is None:
-        H = torch.zeros(X.shape[1], X.shape[1])
+        H = torch.zeros(X.shape[1], X.shape[1], device=X.device)
     H = H * (n / (n + m))
     n += m
     X = X * (2.0 / n) ** 0.5
@@ -50,7 +50,7 @@ def _inverse_cholesky_upper(H: Tensor, damp_percent: float, retries: int = 10) -
     K = H.shape[0]
     for attempt in range(retries + 1):
         damp = (damp_percent + 0.01 * attempt) * torch.mean(torch.diag(H))
-        L, info = torch.linalg.cholesky_ex(H + damp * torch.eye(K))
+        L, info = torch.linalg.cholesky_ex(H + damp * torch.eye(K, device=H.device))
         if info == 0:
             Hinv = torch.cholesky_inverse(L)
             Hinv, info = torch.linalg.cholesky_ex(Hinv, upper=True)
@@ -121,22 +121,22 @@ def gptq_quantize(
     G = num_groups(K, group_size)
     fixed_groups = static_groups or group_size == -1
 
-    scales = torch.empty(G, N)
-    zeros = torch.empty(G, N)
+    scales = torch.empty(G, N, device=W.device)
+    zeros = torch.empty(G, N, device=W.device)
     if fixed_groups:
         # Group parameters fixed up front from the (unpermuted) weights.
         for g in range(G):
             scales[g], zeros[g] = compute_qparams(W[:, g * gs : (g + 1) * gs], bits, sym, min_zero)
 
-    perm = torch.arange(K)
+    perm = torch.arange(K, device=W.device)
     if desc_act:
         perm = torch.argsort(torch.diag(H), descending=True)
         W = W[:, perm]
         H = H[perm][:, perm]
     invperm = torch.argsort(perm)
     # Group of the column visited at position i.
-    group_of_pos = perm // gs if fixed_groups else torch.arange(K) // gs
-    Q = torch.zeros(N, K, dtype=torch.int32)
+    group_of_pos = perm // gs if fixed_groups else torch.arange(K, device=W.device) // gs
+    Q = torch.zeros(N, K, dtype=torch.int32, device=W.device)
 
     def quantize(col: int, w: Tensor, ahead: Callable[[int], Tensor]) -> Tensor:
         g = int(group_of_pos[col])
@@ -172,7 +172,8 @@ def gptq_w8_quantize(
         raise ValueError(f"fmt must be 'int8' or 'fp8', got {fmt!r}")
     W, H = _prepare(W, H)
     _, scale = (quantize_int8 if fmt == "int8" else quantize_fp8)(W, strategy)
-    Q = torch.empty(W.shape, dtype=torch.int8 if fmt == "int8" else torch.float8_e4m3fn)
+    dtype = torch.int8 if fmt == "int8" else torch.float8_e4m3fn
+    Q = torch.empty(W.shape, dtype=dtype, device=W.device)
     col_scale = scale.reshape(-1)  # [N] or [1]
 
     def quantize(col: int, w: Tensor, ahead: Callable[[int], Tensor]) -> Tensor:

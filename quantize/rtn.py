@@ -106,13 +106,13 @@ def rtn_quantize(
     N, K = W.shape
     gs = K if group_size == -1 else group_size
     G = num_groups(K, group_size)
-    Q = torch.empty(N, K, dtype=torch.int32)
-    scales = torch.empty(G, N)
-    zeros = torch.empty(G, N, dtype=torch.int32)
+    Q = torch.empty(N, K, dtype=torch.int32, device=W.device)
+    scales = torch.empty(G, N, device=W.device)
+    zeros = torch.empty(G, N, dtype=torch.int32, device=W.device)
     for g in range(G):
         cols = slice(g * gs, min((g + 1) * gs, K))
         scale, zero = compute_qparams(W[:, cols], bits, sym, min_zero)
         Q[:, cols] = quantize_codes(W[:, cols], scale, zero, bits).to(torch.int32)
         scales[g], zeros[g] = scale, zero.to(torch.int32)
-    g_idx = torch.arange(K, dtype=torch.int32) // gs
+    g_idx = torch.arange(K, dtype=torch.int32, device=W.device) // gs
     return QuantizedWeight(Q, scales, zeros, g_idx, bits, group_size, sym)

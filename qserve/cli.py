@@ -342,6 +342,7 @@ def eval_command(
 )
 @click.option("--sym/--asym", default=True, show_default=True)
 @click.option("--desc-act", is_flag=True, help="GPTQ act-order (columns by descending H diag).")
+@click.option("--mse", is_flag=True, help="GPTQ: MSE grid search of each group's range.")
 @click.option(
     "--damp",
     default=0.01,

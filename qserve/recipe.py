@@ -69,6 +69,7 @@ class Quantize(_Section):
     desc_act: bool | None = None
     damp: float | None = Field(None, ge=0, lt=1)
     static_groups: bool | None = None
+    mse: bool | None = None
     calib: str | None = None  # .txt / .jsonl; None: the bundled text
     num_samples: int | None = Field(None, ge=1)
     seq_len: int | None = Field(None, ge=16)  # as --seq-len
@@ -261,6 +262,7 @@ _OPTION_METHODS = {
     "desc_act": ("gptq",),
     "damp": ("gptq",),
     "static_groups": ("gptq",),
+    "mse": ("gptq",),
     "sym": ("rtn", "gptq"),
     "smooth_alpha": ("int8",),
     "weight_strategy": ("int8", "fp8"),

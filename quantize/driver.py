@@ -84,6 +84,7 @@ class QuantizeSettings:
     desc_act: bool = False
     damp: float = 0.01
     static_groups: bool = False
+    mse: bool = False  # gptq: MSE grid search of each group's range
     ignore: tuple[str, ...] = ("lm_head",)
     smooth_alpha: float = 0.5  # SmoothQuant; <= 0 turns smoothing off
     weight_strategy: str = "channel"  # int8 / fp8: channel | tensor
@@ -166,6 +167,7 @@ def quantize_model(
     desc_act: bool = False,
     damp: float = 0.01,
     static_groups: bool = False,
+    mse: bool = False,
     calib: str | Path | None = None,
     num_samples: int = 128,
     seq_len: int = 512,
@@ -189,6 +191,7 @@ def quantize_model(
     always asymmetric (`sym` is ignored). `scales_path` (awq, int8): where the AWQ/SmoothQuant
     search result is saved, or, if the file exists, replayed from without calibration; the
     result is also saved in the checkpoint as SEARCH_FILE.
+    `mse` (gptq): search each group's range (GPTQ's MSE grid) instead of taking min / max.
     `gptq_weights` (int8, fp8): round the weights with GPTQ's error feedback instead of to
     nearest (needs calibration data; same scales and format).
     `kv_cache_dtype` fp8_e4m3 | fp8_e5m2: also write calibrated k_scale / v_scale per attention
@@ -206,6 +209,7 @@ def quantize_model(
         desc_act=desc_act,
         damp=damp,
         static_groups=static_groups,
+        mse=mse,
         ignore=tuple(ignore),
         smooth_alpha=smooth_alpha,
         weight_strategy=weight_strategy,
@@ -451,6 +455,7 @@ def _gptq_block(ctx: _BlockContext) -> dict[str, QuantizedWeight]:
             qw = gptq_quantize(
                 W, H, s.bits, s.group_size, s.sym, s.damp,
                 desc_act=s.desc_act, static_groups=s.static_groups, min_zero=s.min_zero,
+                mse=s.mse,
             )  # fmt: skip
             out[n] = _set_weight(ctx.linear(n), qw)
     return out

@@ -20,7 +20,13 @@ import torch
 from torch import Tensor
 
 from qserve.quantize.fp8 import FP8_MAX, quantize_fp8
-from qserve.quantize.rtn import QuantizedWeight, compute_qparams, num_groups, quantize_codes
+from qserve.quantize.rtn import (
+    QuantizedWeight,
+    compute_qparams,
+    num_groups,
+    quantize_codes,
+    search_qparams,
+)
 from qserve.quantize.smoothquant import quantize_int8
 
 __all__ = ["accumulate_hessian", "gptq_w8_quantize", "gptq_quantize"]
@@ -113,8 +119,13 @@ def gptq_quantize(
     desc_act: bool = False,
     static_groups: bool = False,
     min_zero: int = 0,
+    mse: bool = False,
 ) -> QuantizedWeight:
-    """Quantize W [N, K] given the Hessian H [K, K] of its inputs; Q in original column order."""
+    """Quantize W [N, K] given the Hessian H [K, K] of its inputs; Q in original column order.
+
+    `mse`: each group's range comes from the MSE grid search (rtn.search_qparams) instead of
+    its min / max."""
+    qparams = partial(search_qparams if mse else compute_qparams, bits=bits, sym=sym)
     W, H = _prepare(W, H)
     N, K = W.shape
     gs = K if group_size == -1 else group_size
@@ -126,7 +137,7 @@ def gptq_quantize(
     if fixed_groups:
         # Group parameters fixed up front from the (unpermuted) weights.
         for g in range(G):
-            scales[g], zeros[g] = compute_qparams(W[:, g * gs : (g + 1) * gs], bits, sym, min_zero)
+            scales[g], zeros[g] = qparams(W[:, g * gs : (g + 1) * gs], min_zero=min_zero)
 
     perm = torch.arange(K, device=W.device)
     if desc_act:
@@ -142,7 +153,7 @@ def gptq_quantize(
         g = int(group_of_pos[col])
         if not fixed_groups and col % gs == 0:
             # Parameters from the group's weights as error feedback has left them so far.
-            scales[g], zeros[g] = compute_qparams(ahead(gs), bits, sym, min_zero)
+            scales[g], zeros[g] = qparams(ahead(gs), min_zero=min_zero)
         q = quantize_codes(w, scales[g], zeros[g], bits)
         Q[:, col] = q.to(torch.int32)
         return scales[g] * (q - zeros[g])

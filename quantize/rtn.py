@@ -25,6 +25,7 @@ from torch import Tensor
 __all__ = [
     "QuantizedWeight",
     "compute_qparams",
+    "search_qparams",
     "quantize_codes",
     "fake_quantize",
     "rtn_quantize",
@@ -82,6 +83,34 @@ def compute_qparams(W: Tensor, bits: int, sym: bool, min_zero: int = 0) -> tuple
     else:
         zero = torch.round(-xmin / scale).clamp(min_zero, maxq)
     return scale, zero
+
+
+def search_qparams(
+    W: Tensor,
+    bits: int,
+    sym: bool,
+    min_zero: int = 0,
+    grid: int = 100,
+    max_shrink: float = 0.8,
+    norm: float = 2.4,
+) -> tuple[Tensor, Tensor]:
+    """compute_qparams with the range of each row shrunk to the factor p in
+    {1, 1 - 1/grid, ..., 1 - max_shrink} that minimises sum |q(w) - w|^norm (the MSE grid search
+    of GPTQ's reference quantizer): clipping a few large weights buys a finer grid for the rest."""
+    W = W.float()
+    best_scale, best_zero = compute_qparams(W, bits, sym, min_zero)
+    best = torch.full((W.shape[0],), float("inf"), device=W.device)
+    lo, hi = W.min(dim=1).values.clamp(max=0), W.max(dim=1).values.clamp(min=0)
+    for i in range(int(max_shrink * grid)):
+        p = 1 - i / grid
+        scale, zero = compute_qparams(torch.stack([p * lo, p * hi], dim=1), bits, sym, min_zero)
+        err = (scale[:, None] * (quantize_codes(W, scale, zero, bits) - zero[:, None]) - W)
+        err = err.abs().pow(norm).sum(dim=1)
+        better = err < best
+        best = torch.where(better, err, best)
+        best_scale = torch.where(better, scale, best_scale)
+        best_zero = torch.where(better, zero, best_zero)
+    return best_scale, best_zero
 
 
 def quantize_codes(w: Tensor, scale: Tensor, zero: Tensor, bits: int) -> Tensor:

@@ -4,7 +4,7 @@ import torch
 from qserve.kernels.packing import gptq_g_idx
 from qserve.quantize.fp8 import dequantize_fp8, quantize_fp8
 from qserve.quantize.gptq import accumulate_hessian, gptq_quantize, gptq_w8_quantize
-from qserve.quantize.rtn import rtn_quantize
+from qserve.quantize.rtn import compute_qparams, quantize_codes, rtn_quantize, search_qparams
 from qserve.quantize.smoothquant import dequantize_int8, quantize_int8
 
 
@@ -112,3 +112,21 @@ def test_gptq_w8_below_plain_rounding_in_the_same_format(fmt: str, strategy: str
     assert err < 0.8 * _out_err(X, W, dequant(Q0, scale0))
     # Error feedback moves weights by a fraction of their range, never to a far code.
     assert (dequant(Q, scale) - W).abs().max() < 0.25 * W.abs().max()
+
+
+def test_mse_range_search_lowers_the_error_further() -> None:
+    W, X, H = _layer(seed=3)
+    W[:, 5] *= 6  # a few large weights: the min / max range wastes most of the grid on them
+    plain = gptq_quantize(W, H, 4, 64, True)
+    searched = gptq_quantize(W, H, 4, 64, True, mse=True)
+    assert _out_err(X, W, searched.dequantize()) < _out_err(X, W, plain.dequantize())
+
+
+def test_search_qparams_never_worse_than_min_max() -> None:
+    W = torch.randn(32, 128) * torch.rand(32, 1)
+    for sym in (True, False):
+        s0, z0 = compute_qparams(W, 4, sym)
+        s1, z1 = search_qparams(W, 4, sym)
+        err0 = (s0[:, None] * (quantize_codes(W, s0, z0, 4) - z0[:, None]) - W).abs().pow(2.4)
+        err1 = (s1[:, None] * (quantize_codes(W, s1, z1, 4) - z1[:, None]) - W).abs().pow(2.4)
+        assert torch.all(err1.sum(1) <= err0.sum(1) * (1 + 1e-6))

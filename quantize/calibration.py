@@ -1,6 +1,6 @@
 """Calibration data: text from a .txt / .jsonl file (or the bundled default), cut into windows.
 
-The default is chapters 11-30 of Moby-Dick (public domain), bundled as
+The default is chapters 11-135 of Moby-Dick (public domain), bundled as
 `qserve/quantize/data/moby_dick_calib.txt`.
 """
 

@@ -14,8 +14,8 @@ class _CharTokenizer:
 
 def test_default_text_is_bundled() -> None:
     text = load_calibration_text()
-    assert text.startswith("CHAPTER 11.") and "CHAPTER 30." in text
-    assert len(text) > 100_000 and "# " not in text.splitlines()[0]
+    assert text.startswith("CHAPTER 11.") and "CHAPTER 135." in text
+    assert len(text) > 1_000_000 and "# " not in text.splitlines()[0]
 
 
 def test_txt_and_jsonl(tmp_path) -> None:

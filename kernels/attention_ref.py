@@ -162,25 +162,37 @@ def paged_attention_ref(
     """
     out = torch.empty_like(query)
     starts = query_start_loc.tolist()
-    query_lens = [b - a for a, b in zip(starts[:-1], starts[1:])]
-    decode = [i for i, n in enumerate(query_lens) if n == 1]
+    decode = [i for i, (a, b) in enumerate(zip(starts[:-1], starts[1:])) if b - a == 1]
     if decode:
         rows = torch.tensor([starts[i] for i in decode], device=query.device)
         idx = torch.tensor(decode, device=query.device)
         out[rows] = _decode_attention_bucketed(
             query[rows], kv_cache, block_tables[idx], seq_lens[idx], scale, k_scale, v_scale
         )
+    chunk_attention_ref(
+        out, query, kv_cache, block_tables, seq_lens, query_start_loc, scale, k_scale, v_scale
+    )
+    return out
+
+
+def chunk_attention_ref(
+    out: torch.Tensor,
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    k_scale: Scale = 1.0,
+    v_scale: Scale = 1.0,
+) -> torch.Tensor:
+    """Fill the rows of `out` that belong to prompt chunks (query_len > 1), one sequence at a
+    time; decode rows are left untouched."""
+    starts = query_start_loc.tolist()
     seq_lens_list = seq_lens.tolist()
-    for i, n in enumerate(query_lens):
-        if n > 1:
-            a = starts[i]
-            out[a : a + n] = _chunk_attention(
-                query[a : a + n],
-                kv_cache,
-                block_tables[i],
-                seq_lens_list[i],
-                scale,
-                k_scale,
-                v_scale,
+    for i, (a, b) in enumerate(zip(starts[:-1], starts[1:])):
+        if b - a > 1:
+            out[a:b] = _chunk_attention(
+                query[a:b], kv_cache, block_tables[i], seq_lens_list[i], scale, k_scale, v_scale
             )
     return out

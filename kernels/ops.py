@@ -2,6 +2,8 @@
 
 Model code calls these and never picks an implementation itself. Triton is imported only when a
 CUDA tensor arrives, so this module imports (and the CPU path runs) without triton installed.
+On CPU, paged attention's decode rows run a C++ kernel compiled on first use
+(`cpu_paged_attention`; QSERVE_CPU_KERNELS=0 turns it off).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from typing import ParamSpec, TypeVar
 
 import torch
 
+from qserve.kernels import cpu_paged_attention
 from qserve.kernels.attention_ref import Scale, paged_attention_ref, reshape_and_cache_ref
 from qserve.kernels.fp8_ref import fp8_scaled_mm_ref, scaled_fp8_quant_ref, w8a8_fp8_linear_ref
 from qserve.kernels.int8_ref import (
@@ -78,8 +81,12 @@ def paged_attention(
     k_scale: Scale = 1.0,
     v_scale: Scale = 1.0,
 ) -> torch.Tensor:
-    """Attention of a flat varlen batch of queries over paged K/V (see attention_ref)."""
-    return _pick(query, paged_attention_ref, "paged_attention.paged_attention")(
+    """Attention of a flat varlen batch of queries over paged K/V (see attention_ref): Triton
+    on CUDA, the C++ decode kernel on CPU (falls back to the reference itself), else torch."""
+    ref = paged_attention_ref
+    if query.device.type == "cpu" and cpu_paged_attention.enabled():
+        ref = cpu_paged_attention.paged_attention
+    return _pick(query, ref, "paged_attention.paged_attention")(
         query, kv_cache, block_tables, seq_lens, query_start_loc, scale, k_scale, v_scale
     )
 

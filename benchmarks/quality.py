@@ -1,14 +1,15 @@
 """Quality of each quantization method: perplexity, checkpoint size and quantization time.
 
     python benchmarks/quality.py [--model smollm2-135m] [--methods rtn,gptq,gptq-act,awq,int8,
-        fp8,fp8-kv] [--num-samples 32] [--calib-seq-len 256] [--seq-len 512] [--max-tokens 2048]
-        [--dtype bfloat16] [--threads 1] [--output benchmarks/results/quality.json]
+        fp8,fp8-kv,gptqmodel,autoawq] [--group-size auto] [--num-samples 32]
+        [--calib-seq-len 256] [--seq-len 512] [--max-tokens 2048] [--dtype bfloat16]
+        [--threads 1] [--output benchmarks/results/quality.json]
 
-Calibration: the bundled Moby-Dick chapters 11-30 (`qserve.quantize` default). Evaluation:
+Calibration: the bundled Moby-Dick chapters 11-135 (`qserve.quantize` default). Evaluation:
 chapters 1-10 (`moby-dick-eval`, ../shared/data), the first `--max-tokens` tokens in
 non-overlapping `--seq-len` windows, the same token ids for every row (tokenized once).
 
-Rows: the unquantized baseline (at `--dtype`), RTN / GPTQ / GPTQ act-order / AWQ w4g128, INT8
+Rows: the unquantized baseline (at `--dtype`), RTN / GPTQ / GPTQ act-order / AWQ w4, INT8
 W8A8 (SmoothQuant), FP8 W8A8 and FP8 KV (baseline weights, fp8_e4m3 pages with scale 1.0). Each
 checkpoint is written by `quantize_model` into a temp folder and scored by `qserve.eval.perplexity`
 through LLMEngine (path `engine`: our quantized linears and paged KV cache). If the engine cannot
@@ -16,13 +17,21 @@ load a checkpoint, its weights are dequantized into a plain fp32 folder that the
 instead (path `dequantized`; for int8/fp8 that leaves activations unquantized). The path is a
 column of the table.
 
-gptqmodel / autoawq baselines are reported as "not installed" unless those packages import.
+Third-party baselines (`benchmarks/third_party.py`): gptqmodel 7.6.0 GPTQ and autoawq 0.2.9 AWQ,
+w4 at the same group size, quantized on exactly the calibration token ids qserve's GPTQ/AWQ use
+(the same `calibration_windows` of the same text and tokenizer) and scored by the same engine
+path. They are in the default `--methods` where their packages import, and reported "not
+installed" where not.
+
+`--group-size auto` (the default) is the largest of 128, 64, 32 that divides every linear's input
+size (no format has partial groups): 128 for most models, 64 for SmolLM2 (hidden 576).
 Prints a table and writes JSON.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import importlib.util
 import json
@@ -31,7 +40,7 @@ import shutil
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -46,31 +55,41 @@ from qserve.eval import load_eval_text, perplexity  # noqa: E402
 from qserve.model.resolve import resolve_model  # noqa: E402
 
 DEFAULT_OUTPUT = Path(__file__).resolve().parent / "results" / "quality.json"
-W4G128 = {"bits": 4, "group_size": 128}
+W4 = {"bits": 4}  # group_size: --group-size, filled in by `with_group_size`
+GROUP_SIZES = (128, 64, 32)
 
 
 @dataclass(frozen=True)
 class Method:
     name: str
     label: str
-    quantize: dict[str, Any] | None  # quantize_model options; None: the baseline weights
+    quantize: dict[str, Any] | None  # options of `tool`'s quantizer; None: the baseline weights
     kv_cache_dtype: str = "auto"
+    tool: str = "qserve"  # qserve | gptqmodel | autoawq (benchmarks/third_party.py)
 
 
 METHODS = {
     m.name: m
     for m in [
         Method("baseline", "baseline", None),
-        Method("rtn", "RTN w4g128", {"method": "rtn", **W4G128}),
-        Method("gptq", "GPTQ w4g128", {"method": "gptq", **W4G128}),
-        Method("gptq-act", "GPTQ w4g128 act-order", {"method": "gptq", "desc_act": True, **W4G128}),
-        Method("awq", "AWQ w4g128", {"method": "awq", **W4G128}),
+        Method("rtn", "RTN w4g{g}", {"method": "rtn", **W4}),
+        Method("gptq", "GPTQ w4g{g}", {"method": "gptq", **W4}),
+        Method("gptq-act", "GPTQ w4g{g} act-order", {"method": "gptq", "desc_act": True, **W4}),
+        Method(
+            "gptq-act-mse",
+            "GPTQ w4g{g} act-order + mse",
+            {"method": "gptq", "desc_act": True, "mse": True, **W4},
+        ),
+        Method("awq", "AWQ w4g{g}", {"method": "awq", **W4}),
         Method("int8", "INT8 W8A8", {"method": "int8", "bits": 8}),
         Method("fp8", "FP8 W8A8", {"method": "fp8", "bits": 8}),
+        Method("fp8-gptq", "FP8 W8A8 GPTQ", {"method": "fp8", "bits": 8, "gptq_weights": True}),
         Method("fp8-kv", "FP8 KV (e4m3)", None, kv_cache_dtype="fp8_e4m3"),
+        Method("gptqmodel", "gptqmodel 7.6.0 GPTQ w4g{g}", W4, tool="gptqmodel"),
+        Method("autoawq", "autoawq 0.2.9 AWQ w4g{g}", {}, tool="autoawq"),
     ]
 }
-THIRD_PARTY = {"gptqmodel": "gptqmodel 7.6.0 GPTQ", "awq": "autoawq 0.2.9 AWQ"}
+THIRD_PARTY = {"gptqmodel": "gptqmodel", "autoawq": "awq"}  # method -> the module it imports
 
 
 @dataclass
@@ -96,28 +115,79 @@ def weights_mb(folder: Path) -> float:
 
 
 def fp32_note(folder: Path) -> str | None:
-    """For a checkpoint stored in fp32: what it would take at 2 bytes per weight."""
+    """For a checkpoint that stores floating tensors in fp32 (the baseline, gptqmodel's and
+    autoawq's unquantized tensors): what it would take with them in 16 bit."""
     from safetensors import safe_open
 
-    numel, fp32 = 0, True
+    numel, nbytes = 0, 0
     for file in folder.glob("*.safetensors"):
         with safe_open(str(file), "pt") as f:
             for key in f.keys():
                 t = f.get_slice(key)
-                numel += int(torch.Size(t.get_shape()).numel())
-                fp32 = fp32 and t.get_dtype() == "F32"
-    return f"weights stored as fp32; {2 * numel / 1e6:.1f} MB in bf16" if fp32 else None
+                n = int(torch.Size(t.get_shape()).numel())
+                numel += n if t.get_dtype() == "F32" and not key.endswith(_QUANT_AUX) else 0
+                nbytes += n * _DTYPE_BYTES.get(t.get_dtype(), 2)
+    if not numel:
+        return None
+    return f"{numel / 1e6:.1f}M floats stored as fp32; {(nbytes - 2 * numel) / 1e6:.1f} MB in bf16"
+
+
+_DTYPE_BYTES = {"F32": 4, "I32": 4, "F16": 2, "BF16": 2, "I8": 1, "U8": 1, "F8_E4M3": 1}
 
 
 def quantize(model: Path, method: Method, out: Path, args: argparse.Namespace) -> float:
     """Write `method`'s checkpoint into `out`; returns the seconds it took."""
     from qserve.quantize.driver import quantize_model
 
+    if method.tool != "qserve":
+        return quantize_third_party(model, method, out, args)
     start = time.monotonic()
     quantize_model(
         model, out, num_samples=args.num_samples, seq_len=args.calib_seq_len, **method.quantize
     )
     return time.monotonic() - start
+
+
+def quantize_third_party(model: Path, method: Method, out: Path, args: argparse.Namespace) -> float:
+    """gptqmodel / autoawq on qserve's calibration ids; their logs go to stderr."""
+    from benchmarks import third_party
+
+    quantizer = {
+        "gptqmodel": third_party.gptqmodel_quantize,
+        "autoawq": third_party.autoawq_quantize,
+    }[method.tool]
+    with contextlib.redirect_stdout(sys.stderr):
+        return quantizer(model, out, calibration_ids(model, args), **method.quantize)
+
+
+def calibration_ids(model: Path, args: argparse.Namespace) -> torch.Tensor:
+    """The windows `quantize_model` calibrates on: [num_samples, calib_seq_len] token ids of
+    the bundled calibration text, tokenized by the model's tokenizer."""
+    from transformers import AutoTokenizer
+
+    from qserve.quantize.calibration import calibration_windows, load_calibration_text
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    text = load_calibration_text(None)
+    return calibration_windows(tokenizer, text, args.num_samples, args.calib_seq_len)
+
+
+def auto_group_size(model: Path) -> int:
+    """The largest of GROUP_SIZES dividing every linear's input size (-1: none does)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    widths = {config.hidden_size, config.intermediate_size, config.num_attention_heads * head_dim}
+    return next((g for g in GROUP_SIZES if all(k % g == 0 for k in widths)), -1)
+
+
+def with_group_size(method: Method, group_size: int) -> Method:
+    """`method` at `group_size`, for the grouped (w4) methods; the others as they are."""
+    if "{g}" not in method.label:
+        return method
+    label = method.label.format(g=group_size if group_size != -1 else "-channel")
+    return replace(method, label=label, quantize={**method.quantize, "group_size": group_size})
 
 
 def dequantized_folder(folder: Path, out: Path) -> Path:
@@ -225,6 +295,8 @@ def run_method(
     seconds = quantize(model, method, folder, args)
     row = evaluate(folder, method, ids, tmp, args)
     row.quant_seconds = seconds
+    fp32 = fp32_note(folder) if method.tool != "qserve" else None
+    row.notes += [fp32] if fp32 else []
     return row
 
 
@@ -235,12 +307,21 @@ def eval_tokens(model: Path) -> list[int]:
     return load_tokenizer(model).encode(load_eval_text("moby-dick-eval"))
 
 
-def third_party() -> dict[str, str]:
-    """The optional gptqmodel / autoawq columns: only where those packages import."""
+def installed(name: str) -> bool:
+    """Whether `name` is a qserve method or a third-party one whose package is installed."""
+    module = THIRD_PARTY.get(name)
+    return module is None or importlib.util.find_spec(module) is not None
+
+
+def third_party(names: list[str], group_size: int) -> dict[str, str]:
+    """What became of the gptqmodel / autoawq rows."""
     out = {}
-    for module, label in THIRD_PARTY.items():
-        found = importlib.util.find_spec(module) is not None
-        out[label] = "installed, not wired into this benchmark yet" if found else "not installed"
+    for name, module in THIRD_PARTY.items():
+        label = with_group_size(METHODS[name], group_size).label
+        if not installed(name):
+            out[label] = f"not installed (pip install the `test` extra for {module})"
+        else:
+            out[label] = "row above" if name in names else "installed, not requested"
     return out
 
 
@@ -253,18 +334,18 @@ def recovery(rows: dict[str, Row]) -> dict[str, float]:
     if base is None or rtn is None or rtn.perplexity <= base.perplexity:
         return {}
     gap = rtn.perplexity - base.perplexity
-    names = [n for n in ("gptq", "gptq-act", "awq") if n in rows]
+    names = [n for n in ("gptq", "gptq-act", "awq", "gptqmodel", "autoawq") if n in rows]
     return {n: (rtn.perplexity - rows[n].perplexity) / gap for n in names}
 
 
 def format_table(rows: list[Row], base: float) -> str:
-    head = f"{'method':<24}{'ppl':>9}{'vs base':>9}{'MB':>8}{'quant s':>9}{'eval s':>8}  path"
+    head = f"{'method':<28}{'ppl':>9}{'vs base':>9}{'MB':>8}{'quant s':>9}{'eval s':>8}  path"
     lines = [head, "-" * len(head)]
     for r in rows:
         quant = f"{r.quant_seconds:.0f}" if r.quant_seconds is not None else "-"
         delta = f"{100 * (r.perplexity / base - 1):+.2f}%"
         lines.append(
-            f"{r.label:<24}{r.perplexity:>9.3f}{delta:>9}{r.size_mb:>8.1f}{quant:>9}"
+            f"{r.label:<28}{r.perplexity:>9.3f}{delta:>9}{r.size_mb:>8.1f}{quant:>9}"
             f"{r.eval_seconds:>8.1f}  {r.path} ({r.scheme})"
         )
     return "\n".join(lines)
@@ -278,11 +359,14 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(args.threads)
     model = resolve_model(args.model)
     ids = eval_tokens(model)
-    names = ["baseline", *[n for n in args.methods if n != "baseline"]]
+    if args.group_size == "auto":
+        args.group_size = auto_group_size(model)
+    names = ["baseline", *[n for n in args.methods if n != "baseline" and installed(n)]]
     rows: list[Row] = []
     with tempfile.TemporaryDirectory(prefix="qserve-quality-") as tmp:
         for name in names:
-            rows.append(run_method(model, METHODS[name], ids, Path(tmp), args))
+            method = with_group_size(METHODS[name], args.group_size)
+            rows.append(run_method(model, method, ids, Path(tmp), args))
             log(f"  ppl {rows[-1].perplexity:.3f} ({rows[-1].path})")
     return {
         "model": str(args.model),
@@ -290,7 +374,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "eval_tokens_available": len(ids),
         "rows": [asdict(r) for r in rows],
         "recovery_of_rtn_gap": recovery({r.method: r for r in rows}),
-        "third_party": third_party(),
+        "third_party": third_party(names, args.group_size),
     }
 
 
@@ -299,12 +383,13 @@ def print_summary(summary: dict[str, Any]) -> None:
     s = summary["settings"]
     print(
         f"{summary['model']}: perplexity on Moby-Dick ch. 1-10, first {s['max_tokens']} tokens in "
-        f"{s['seq_len']}-token windows ({rows[0].num_tokens} scored); calibration ch. 11-30, "
+        f"{s['seq_len']}-token windows ({rows[0].num_tokens} scored); calibration ch. 11-135, "
         f"{s['num_samples']} x {s['calib_seq_len']} tokens; activations {s['dtype']}"
     )
     print(format_table(rows, rows[0].perplexity))
+    labels = {r.method: r.label for r in rows}
     for name, share in summary["recovery_of_rtn_gap"].items():
-        print(f"{METHODS[name].label} recovers {100 * share:.0f}% of RTN's increase")
+        print(f"{labels[name]} recovers {100 * share:.0f}% of RTN's increase")
     for label, state in summary["third_party"].items():
         print(f"{label}: {state}")
     for r in rows:
@@ -316,6 +401,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--methods", default=",".join(n for n in METHODS if n != "baseline"))
+    p.add_argument("--group-size", default="auto", choices=["auto", "128", "64", "32", "-1"])
     p.add_argument("--num-samples", type=int, default=32, help="Calibration windows.")
     p.add_argument("--calib-seq-len", type=int, default=256, help="Tokens per calibration window.")
     p.add_argument("--seq-len", type=int, default=512, help="Evaluation window.")
@@ -326,6 +412,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--output", type=Path, default=DEFAULT_OUTPUT)
     args = p.parse_args(argv)
     args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    args.group_size = args.group_size if args.group_size == "auto" else int(args.group_size)
     unknown = [m for m in args.methods if m not in METHODS]
     if unknown:
         p.error(f"unknown method {unknown[0]!r}; choose from {', '.join(METHODS)}")

@@ -132,6 +132,7 @@ def _parse_gptq(raw: dict[str, Any], source: str) -> QuantScheme:
         raise _unsupported(source, "GPTQ with a quantized lm_head", "lm_head must stay dense")
     if raw.get("dynamic"):
         raise _unsupported(source, "GPTQModel per-module 'dynamic' overrides", "expected none")
+    _check_pack_dtype(raw, source, "GPTQ")
     scheme = LinearScheme(
         "gptq",
         bits=bits,
@@ -139,6 +140,13 @@ def _parse_gptq(raw: dict[str, Any], source: str) -> QuantScheme:
         desc_act=bool(raw.get("desc_act", False)),
     )
     return QuantScheme("gptq", ((("Linear",), scheme),), block_modules=_block_modules(raw))
+
+
+def _check_pack_dtype(raw: dict[str, Any], source: str, method: str) -> None:
+    """GPTQModel can pack into int8/int16/int64 words (`pack_dtype`); the formats are int32."""
+    pack_dtype = str(raw.get("pack_dtype") or "int32").removeprefix("torch.")
+    if pack_dtype != "int32":
+        raise _unsupported(source, f"{method} pack_dtype {pack_dtype!r}", "expected int32 words")
 
 
 def _group_size(value: Any, source: str, method: str) -> int:
@@ -169,6 +177,7 @@ def _parse_awq(raw: dict[str, Any], source: str) -> QuantScheme:
         raise _unsupported(source, f"AWQ {bits}-bit", "AWQ gemm checkpoints are 4-bit")
     if not raw.get("zero_point", True):
         raise _unsupported(source, "AWQ without zero points", "expected zero_point: true")
+    _check_pack_dtype(raw, source, "AWQ")
     group = _group_size(raw.get("group_size", raw.get("q_group_size", 128)), source, "AWQ")
     scheme = LinearScheme("awq", bits=4, group_size=group)
     skip = tuple(raw.get("modules_to_not_convert") or ())

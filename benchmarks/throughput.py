@@ -1,21 +1,33 @@
-"""Offline throughput: qserve (continuous batching, paged KV) against transformers `generate`.
+"""Offline throughput: qserve (continuous batching, paged KV) against transformers `generate`,
+and decode speed of quantized checkpoints against the dense model.
 
     python benchmarks/throughput.py [--num-requests 64] [--seed 0] [--dtype auto]
         [--threads 2] [--max-num-seqs 64] [--kv-cache-memory 1GiB] [--skip-hf] [--quick]
+        [--checkpoint DIR ...] [--decode-batch-sizes 1 64] [--decode-prompt-len 128]
+        [--decode-steps 16] [--skip-decode] [--skip-workload]
         [--output benchmarks/results/throughput.json]
 
-One seeded workload (benchmarks/workload.py: real prompts of 32-512 tokens, 16-256 output tokens,
-EOS ignored) runs side by side in one process, same model, dtype and thread count, each after a
-warm-up:
+Workload (64 concurrent requests). One seeded workload (benchmarks/workload.py: real prompts of
+32-512 tokens, 16-256 output tokens, EOS ignored) runs side by side in one process, same thread
+count, each engine after a warm-up:
 
 - qserve: all requests added at once, the engine stepped to completion; after every step the KV
   cache is sampled (`get_stats`: slots holding computed tokens / slots of the blocks held) and
   compared with a contiguous allocation that reserves prompt + max_tokens, or max_model_len, slots
-  per running request from the start.
+  per running request from the start. The dense model runs in --dtype; every --checkpoint
+  (a quantized folder from `qserve quantize` or the ecosystem) gets a row too, in the engine's
+  dtype for it (`auto`: bf16 activations on CPU, what torch's weight-only kernels take).
 - transformers: static batches of 8 in workload order, left padded, every batch generating its
   longest output (`min_new_tokens = max_new_tokens`); only each request's own output tokens count.
 
-Prints a table and writes JSON: output tok/s of each, the ratio, total times, KV utilisation.
+Decode. For each batch size B, the dense model in fp32 and in bf16 and every checkpoint each get
+B requests of --decode-prompt-len tokens (cut from the same text for all); once every request is
+past its prompt, the engines take turns stepping (round robin, so load from other processes falls
+on all of them alike) for --decode-steps timed steps after two untimed ones. Reported: the median
+step time, wall clock and process CPU time, as tokens/s (B / step time), and the ratio to dense
+bf16. B = 1 is latency-bound decode; B = 64 is the decode half of the 64-request workload.
+
+Prints tables and writes JSON.
 """
 
 from __future__ import annotations
@@ -23,6 +35,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import math
 import platform
 import statistics
 import sys
@@ -41,6 +54,9 @@ from benchmarks.workload import QUICK, BenchRequest, WorkloadConfig, make_worklo
 DEFAULT_OUTPUT = Path(__file__).resolve().parent / "results" / "throughput.json"
 HF_BATCH_SIZE = 8
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+DENSE = "qserve"  # the result key of the dense model's workload run (kept from earlier JSON)
+BASELINE = "dense bf16"  # decode ratios are to this row
+DECODE_WARMUP_STEPS = 2
 
 
 @dataclass
@@ -65,15 +81,24 @@ class KVSample:
     reserved_max_len: int  # running requests x max_model_len
 
 
+@dataclass(frozen=True)
+class ModelSpec:
+    """One model to run: a label for the tables, a folder (or alias) and the engine dtype."""
+
+    label: str
+    model: str
+    dtype: str  # "auto" or a DTYPES key
+
+
 # ------------------------------------------------------------------------------------ qserve
 
 
-def make_llm(args: argparse.Namespace, model: str) -> Any:
+def make_llm(args: argparse.Namespace, spec: ModelSpec) -> Any:
     from qserve import LLM
 
     return LLM(
-        model,
-        dtype=args.dtype,
+        spec.model,
+        dtype=spec.dtype,
         kv_cache_memory=args.kv_cache_memory,
         max_num_seqs=args.max_num_seqs,
         num_threads=args.threads,
@@ -84,14 +109,17 @@ def warm_up_qserve(llm: Any) -> None:
     """A few short requests on token ids that no workload prompt starts with (no cache hits)."""
     from qserve import SamplingParams
 
-    prompts = [[(1000 + 7 * i + j) % 40000 + 100 for j in range(16 + 8 * i)] for i in range(4)]
+    vocab = llm.engine.model_config.vocab_size - 100
+    prompts = [[(1000 + 7 * i + j) % vocab + 100 for j in range(16 + 8 * i)] for i in range(4)]
     llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
 
 
-def run_qserve(requests: list[BenchRequest], args: argparse.Namespace, model: str) -> RunResult:
+def run_qserve(
+    requests: list[BenchRequest], args: argparse.Namespace, spec: ModelSpec, name: str = DENSE
+) -> RunResult:
     from qserve import SamplingParams
 
-    llm = make_llm(args, model)
+    llm = make_llm(args, spec)
     warm_up_qserve(llm)
     engine = llm.engine
     start_stats = engine.get_stats()
@@ -110,10 +138,21 @@ def run_qserve(requests: list[BenchRequest], args: argparse.Namespace, model: st
         step_times.append(t1 - t0)
         sampling_s += time.perf_counter() - t1
     seconds = time.perf_counter() - start - sampling_s
-    extra = qserve_extra(engine, start_stats, step_times, samples)
+    extra = {**describe(spec, engine), **qserve_extra(engine, start_stats, step_times, samples)}
     del llm, engine
     gc.collect()
-    return RunResult("qserve", num_tokens, seconds, extra)
+    return RunResult(name, num_tokens, seconds, extra)
+
+
+def describe(spec: ModelSpec, engine: Any) -> dict[str, Any]:
+    """What ran: the folder, activation dtype, weight scheme and kernel path per layer kind."""
+    report = engine.load_report
+    return {
+        "model": spec.model,
+        "dtype": str(engine.dtype).removeprefix("torch."),
+        "scheme": report.scheme,
+        "linear_paths": report.linear_paths,
+    }
 
 
 def sample_kv(engine: Any) -> KVSample:
@@ -157,6 +196,179 @@ def kv_summary(samples: list[KVSample]) -> dict[str, float]:
         "peak_slots_contiguous_request": max((s.reserved_request for s in samples), default=0),
         "peak_slots_contiguous_max_len": max((s.reserved_max_len for s in samples), default=0),
         "num_samples": len(used),
+    }
+
+
+# ------------------------------------------------------------------------------------ decode
+
+
+@dataclass
+class DecodeResult:
+    """Median time of one decode step with `batch_size` requests running."""
+
+    label: str
+    batch_size: int
+    step_ms: float  # wall clock
+    cpu_ms: float  # process CPU time (all threads): what other processes' load leaves alone
+    num_steps: int
+    info: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return 1e3 * self.batch_size / self.step_ms
+
+    @property
+    def cpu_tokens_per_s(self) -> float:
+        return 1e3 * self.batch_size / self.cpu_ms
+
+
+def decode_specs(dense: str, checkpoints: list[Path]) -> list[ModelSpec]:
+    """Dense fp32 and bf16, then each checkpoint under its folder name (made unique)."""
+    specs = [ModelSpec("dense fp32", dense, "float32"), ModelSpec(BASELINE, dense, "bfloat16")]
+    return specs + checkpoint_specs(checkpoints)
+
+
+def checkpoint_specs(checkpoints: list[Path]) -> list[ModelSpec]:
+    specs: list[ModelSpec] = []
+    for path in checkpoints:
+        label = path.name or str(path)
+        while label in {s.label for s in specs}:
+            label += "'"
+        specs.append(ModelSpec(label, str(path), "auto"))
+    return specs
+
+
+def decode_max_tokens(batch_size: int, prompt_len: int, steps: int, max_batched: int) -> int:
+    """Output tokens each request needs so that none finishes before the last timed step.
+
+    Chunked prefill lets early requests decode while later prompts are still being read: at
+    most one token per prefill step, and there are at most ceil(B * L / budget) + 1 of those."""
+    prefill_steps = math.ceil(batch_size * prompt_len / max_batched) + 1
+    return prefill_steps + DECODE_WARMUP_STEPS + steps + 1
+
+
+def decode_kv_bytes(model: str, num_seqs: int, tokens_per_seq: int, block_size: int = 16) -> int:
+    """KV memory for `num_seqs` sequences of `tokens_per_seq` tokens in fp32 pages (the widest
+    page dtype the decode runs use), plus one spare block per sequence."""
+    from qserve.engine.model_runner import KVCacheSpec
+    from qserve.model.config import ModelConfig
+    from qserve.model.resolve import resolve_model
+
+    config = ModelConfig.from_pretrained(resolve_model(model))
+    spec = KVCacheSpec.from_memory(config, 0, block_size, torch.float32)
+    return num_seqs * (math.ceil(tokens_per_seq / block_size) + 1) * spec.bytes_per_block
+
+
+def make_decode_engine(spec: ModelSpec, args: argparse.Namespace, batch: int, tokens: int) -> Any:
+    from qserve import LLM
+
+    llm = LLM(
+        spec.model,
+        dtype=spec.dtype,
+        kv_cache_memory=decode_kv_bytes(spec.model, batch, tokens),
+        max_num_seqs=batch,
+        num_threads=args.threads,
+    )
+    return llm.engine
+
+
+def is_steady(engine: Any, batch_size: int) -> bool:
+    """Every one of the batch's requests is running and past its prompt: the next step decodes
+    one token for each of them and nothing else."""
+    scheduler = engine.scheduler
+    if scheduler.waiting or len(scheduler.running) != batch_size:
+        return False
+    return all(r.num_tokens - r.num_computed_tokens == 1 for r in scheduler.running)
+
+
+def start_decode(engine: Any, prompts: list[list[int]], max_tokens: int) -> None:
+    """Add the prompts and step until the batch is in steady decode (prefill untimed)."""
+    from qserve import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"decode-{i}", prompt, params)
+    while not is_steady(engine, len(prompts)):
+        if not engine.has_unfinished_requests():
+            raise RuntimeError("the decode batch finished before reaching steady state")
+        engine.step()
+
+
+def timed_step(engine: Any, batch_size: int) -> tuple[float, float]:
+    """(wall, process CPU) seconds of one step; fails if the batch is no longer all decoding."""
+    if not is_steady(engine, batch_size):
+        raise RuntimeError("a decode request finished or was preempted inside the timed window")
+    wall, cpu = time.perf_counter(), time.process_time()
+    engine.step()
+    return time.perf_counter() - wall, time.process_time() - cpu
+
+
+def measure_decode(
+    specs: list[ModelSpec], prompts: list[list[int]], args: argparse.Namespace
+) -> list[DecodeResult]:
+    """All engines in steady decode at once, then stepped round robin; medians per engine."""
+    engines = start_engines(specs, prompts, args)
+    times = step_in_turn(engines, len(prompts), args.decode_steps)
+    results = [decode_result(s, engines[s.label], len(prompts), times[s.label]) for s in specs]
+    del engines
+    gc.collect()
+    return results
+
+
+def start_engines(
+    specs: list[ModelSpec], prompts: list[list[int]], args: argparse.Namespace
+) -> dict[str, Any]:
+    """One engine per spec, each with the batch prefilled and decoding."""
+    from qserve.config import EngineConfig
+
+    batch, prompt_len = len(prompts), len(prompts[0])
+    max_batched = EngineConfig.max_num_batched_tokens  # the engines' default
+    max_tokens = decode_max_tokens(batch, prompt_len, args.decode_steps, max_batched)
+    engines = {}
+    for s in specs:
+        print(f"decode B={batch}: prefilling {s.label} ...", flush=True)
+        engines[s.label] = make_decode_engine(s, args, batch, prompt_len + max_tokens)
+        start_decode(engines[s.label], prompts, max_tokens)
+    return engines
+
+
+def step_in_turn(
+    engines: dict[str, Any], batch: int, steps: int
+) -> dict[str, list[tuple[float, float]]]:
+    """(wall, CPU) seconds of `steps` steps per engine, after untimed warm-up steps."""
+    times: dict[str, list[tuple[float, float]]] = {label: [] for label in engines}
+    for i in range(DECODE_WARMUP_STEPS + steps):
+        for label, engine in engines.items():
+            t = timed_step(engine, batch)
+            if i >= DECODE_WARMUP_STEPS:
+                times[label].append(t)
+    return times
+
+
+def decode_result(
+    spec: ModelSpec, engine: Any, batch: int, times: list[tuple[float, float]]
+) -> DecodeResult:
+    wall = 1e3 * statistics.median(t[0] for t in times)
+    cpu = 1e3 * statistics.median(t[1] for t in times)
+    preempted = engine.scheduler.num_preemptions
+    info = {**describe(spec, engine), "num_preemptions": preempted}
+    return DecodeResult(spec.label, batch, wall, cpu, len(times), info)
+
+
+def decode_prompts(tokenizer: Any, args: argparse.Namespace, batch: int) -> list[list[int]]:
+    """`batch` prompts of exactly --decode-prompt-len tokens from the workload's text."""
+    n = args.decode_prompt_len
+    config = WorkloadConfig(batch, n, n, 1, 1, args.seed)
+    return [r.prompt_token_ids for r in make_workload(tokenizer, config)]
+
+
+def run_decode(
+    args: argparse.Namespace, dense: str, tokenizer: Any
+) -> dict[str, list[DecodeResult]]:
+    specs = decode_specs(dense, args.checkpoint)
+    return {
+        str(b): measure_decode(specs, decode_prompts(tokenizer, args, b), args)
+        for b in args.decode_batch_sizes
     }
 
 
@@ -225,13 +437,17 @@ def run_hf(requests: list[BenchRequest], args: argparse.Namespace, model_path: P
 # ---------------------------------------------------------------------------------- report
 
 
+def ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a and b else None
+
+
 def report(
-    results: list[RunResult], requests: list[BenchRequest], args: argparse.Namespace
+    results: list[RunResult],
+    requests: list[BenchRequest],
+    args: argparse.Namespace,
+    decode: dict[str, list[DecodeResult]] | None = None,
 ) -> dict[str, Any]:
-    by_name = {r.name: r for r in results}
-    ratio = None
-    if "qserve" in by_name and "transformers" in by_name:
-        ratio = by_name["qserve"].tokens_per_s / by_name["transformers"].tokens_per_s
+    by_name = {r.name: r.tokens_per_s for r in results}
     return {
         "config": {k: v for k, v in vars(args).items() if k != "output"},
         "machine": {"platform": platform.platform(), "torch": torch.__version__},
@@ -249,23 +465,95 @@ def report(
             }
             for r in results
         },
-        "qserve_over_transformers": ratio,
+        "qserve_over_transformers": ratio(by_name.get(DENSE), by_name.get("transformers")),
+        "over_dense": {
+            name: ratio(tps, by_name.get(DENSE))
+            for name, tps in by_name.items()
+            if name not in (DENSE, "transformers")
+        },
+        "decode": decode_summary(decode or {}),
+    }
+
+
+def decode_summary(decode: dict[str, list[DecodeResult]]) -> dict[str, Any]:
+    """Per batch size: each row with its tokens/s and its ratios to dense bf16."""
+    summary = {}
+    for batch, rows in decode.items():
+        base = next((r for r in rows if r.label == BASELINE), None)
+        summary[batch] = [decode_row(r, base) for r in rows]
+    return summary
+
+
+def decode_row(r: DecodeResult, base: DecodeResult | None) -> dict[str, Any]:
+    return {
+        "label": r.label,
+        "batch_size": r.batch_size,
+        "median_step_ms": r.step_ms,
+        "median_step_cpu_ms": r.cpu_ms,
+        "tokens_per_s": r.tokens_per_s,
+        "cpu_tokens_per_s": r.cpu_tokens_per_s,
+        "over_bf16": ratio(r.tokens_per_s, base and base.tokens_per_s),
+        "over_bf16_cpu": ratio(r.cpu_tokens_per_s, base and base.cpu_tokens_per_s),
+        "num_steps": r.num_steps,
+        **r.info,
     }
 
 
 def format_table(summary: dict[str, Any]) -> str:
-    lines = [f"{'engine':<14}{'out tokens':>12}{'seconds':>10}{'out tok/s':>11}"]
+    lines: list[str] = []
+    if summary["results"]:
+        lines += format_workload(summary)
+    for batch, rows in summary["decode"].items():
+        lines += ["", *format_decode(batch, rows)]
+    return "\n".join(lines).strip("\n")
+
+
+def format_workload(summary: dict[str, Any]) -> list[str]:
+    n = summary["workload"]["num_requests"]
+    lines = [
+        f"workload: {n} requests at once, up to {summary['config']['max_num_seqs']} running",
+        f"{'engine':<28}{'dtype':>10}{'out tokens':>12}{'seconds':>10}{'out tok/s':>11}"
+        f"{'vs dense':>10}",
+    ]
     for name, r in summary["results"].items():
+        over = 1.0 if name == DENSE else summary["over_dense"].get(name)
         lines.append(
-            f"{name:<14}{r['output_tokens']:>12}{r['seconds']:>10.1f}"
-            f"{r['output_tokens_per_s']:>11.1f}"
+            f"{name:<28}{r.get('dtype', summary['config']['dtype']):>10}{r['output_tokens']:>12}"
+            f"{r['seconds']:>10.1f}{r['output_tokens_per_s']:>11.2f}{fmt_ratio(over):>10}"
         )
     if summary["qserve_over_transformers"] is not None:
         lines.append(f"qserve / transformers: {summary['qserve_over_transformers']:.2f}x")
-    q = summary["results"].get("qserve")
-    if q is not None:
+    q = summary["results"].get(DENSE)
+    if q is not None and "kv" in q:
         lines += format_kv(q)
-    return "\n".join(lines)
+    return lines
+
+
+def fmt_ratio(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}x"
+
+
+def format_decode(batch: str, rows: list[dict[str, Any]]) -> list[str]:
+    steps = rows[0]["num_steps"] if rows else 0
+    lines = [
+        f"decode at batch {batch} (median of {steps} steps, engines stepped in turn)",
+        f"{'model':<22}{'dtype':>10}{'kernel':>15}{'ms/step':>9}{'tok/s':>9}{'vs bf16':>9}"
+        f"{'cpu ms':>9}{'cpu tok/s':>11}{'vs bf16':>9}",
+    ]
+    for r in rows:
+        lines.append(
+            f"{r['label']:<22}{r['dtype']:>10}{main_path(r['linear_paths']):>15}"
+            f"{r['median_step_ms']:>9.1f}{r['tokens_per_s']:>9.2f}{fmt_ratio(r['over_bf16']):>9}"
+            f"{r['median_step_cpu_ms']:>9.1f}{r['cpu_tokens_per_s']:>11.2f}"
+            f"{fmt_ratio(r['over_bf16_cpu']):>9}"
+        )
+    return lines
+
+
+def main_path(paths: dict[str, str]) -> str:
+    """The kernel path of the decoder's linears (q_proj stands for all but lm_head)."""
+    path = paths.get("q_proj", "dense")
+    return "dense" if path.startswith("dense") else path
 
 
 def format_kv(q: dict[str, Any]) -> list[str]:
@@ -295,15 +583,43 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--dtype",
         choices=["auto", *sorted(DTYPES)],
         default="auto",
-        help="auto: the engine's rule (bf16 where the CPU computes it natively, else fp32)",
+        help="dense model in the workload run; auto: the engine's rule (bf16 where the CPU "
+        "computes it natively, else fp32)",
     )
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--kv-cache-memory", default="1GiB")
-    p.add_argument("--skip-hf", action="store_true", help="run qserve only")
+    p.add_argument("--skip-hf", action="store_true", help="no transformers run")
     p.add_argument("--quick", action="store_true", help="8 short requests: a smoke run")
+    p.add_argument(
+        "--checkpoint",
+        type=Path,
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="a quantized checkpoint folder: one more row in each table (repeatable)",
+    )
+    p.add_argument("--decode-batch-sizes", type=int, nargs="+", default=[1, 64], metavar="B")
+    p.add_argument("--decode-prompt-len", type=int, default=128)
+    p.add_argument("--decode-steps", type=int, default=16, help="timed steps per engine")
+    p.add_argument("--skip-decode", action="store_true", help="no decode measurement")
+    p.add_argument("--skip-workload", action="store_true", help="no workload run (nor hf)")
     p.add_argument("--output", type=Path, default=DEFAULT_OUTPUT)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    check_args(p, args)
+    return args
+
+
+def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    for path in args.checkpoint:
+        if not (path / "config.json").is_file():
+            p.error(f"--checkpoint {path}: no config.json there")
+    if min(args.decode_batch_sizes) < 1 or args.decode_prompt_len < 1 or args.decode_steps < 1:
+        p.error("decode batch sizes, prompt length and steps must be >= 1")
+    if args.quick:  # a smoke run decodes briefly
+        args.decode_batch_sizes = [b for b in args.decode_batch_sizes if b <= 8] or [1]
+        args.decode_prompt_len = min(args.decode_prompt_len, 32)
+        args.decode_steps = min(args.decode_steps, 4)
 
 
 def workload_config(args: argparse.Namespace) -> WorkloadConfig:
@@ -319,6 +635,19 @@ def workload_config(args: argparse.Namespace) -> WorkloadConfig:
     )
 
 
+def run_workload(
+    args: argparse.Namespace, model_path: Path, requests: list[BenchRequest]
+) -> list[RunResult]:
+    """The dense model, each checkpoint, then transformers, one after the other."""
+    results = [run_qserve(requests, args, ModelSpec(DENSE, str(model_path), args.dtype))]
+    for spec in checkpoint_specs(args.checkpoint):
+        print(f"workload: {spec.label} ...", flush=True)
+        results.append(run_qserve(requests, args, spec, f"qserve {spec.label}"))
+    if not args.skip_hf:
+        results.append(run_hf(requests, args, model_path))
+    return results
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.dtype == "auto":  # resolve once so both sides run the same dtype
@@ -330,11 +659,11 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(args.threads)
     model_path = resolve_model(args.model)
-    requests = make_workload(load_tokenizer(model_path), workload_config(args))
-    results = [run_qserve(requests, args, str(model_path))]
-    if not args.skip_hf:
-        results.append(run_hf(requests, args, model_path))
-    summary = report(results, requests, args)
+    tokenizer = load_tokenizer(model_path)
+    requests = make_workload(tokenizer, workload_config(args))
+    results = [] if args.skip_workload else run_workload(args, model_path, requests)
+    decode = None if args.skip_decode else run_decode(args, str(model_path), tokenizer)
+    summary = report(results, requests, args, decode)
     print(format_table(summary))
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(summary, indent=2, default=str) + "\n")

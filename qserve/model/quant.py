@@ -162,13 +162,16 @@ class GPTQLinear(QuantLinear):
         return "triton"
 
     def _int4pack(self, g: torch.Tensor, dtype: torch.dtype) -> str:
+        g_fine, rows = _split_gptq_groups(g, self.group_size, self.num_groups)
         try:
-            w = cpu_weight_only.int4pack_from_gptq(self.qweight, self.qzeros, self.scales, g, dtype)
+            w = cpu_weight_only.int4pack_from_gptq(
+                self.qweight, self.qzeros[rows], self.scales[rows], g_fine, dtype
+            )
         except ValueError as exc:  # shapes or groups torch's kernel rejects
             logger.debug("int4pack rejected a GPTQ layer (%s): dequantizing", exc)
             return self._dense_gptq(g, dtype)
         self._drop("qweight", "qzeros", "scales", "g_idx")
-        self._run = lambda x: cpu_weight_only.int4pack_mm(x, w, self._bias(x))
+        self._run = _int4pack_runner(w, self)
         return "cpu-int4pack"
 
     def _codes(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -198,6 +201,50 @@ class GPTQLinear(QuantLinear):
         w = packing.dequantize_gptq(self.qweight, self.qzeros, scales, g, self.scheme.bits)
         self._drop("qweight", "qzeros", "scales", "g_idx")
         return self._dense(w, dtype)
+
+
+def _torch_int4_group_size(in_features: int, group_size: int) -> int:
+    """The largest group torch's int4 CPU kernel takes that divides both the stored group and K.
+
+    Splitting a stored group into equal smaller ones (same scale and zero) computes the same W,
+    and a K that is a multiple of the group needs no zero padding of x on every call (SmolLM2:
+    K = 576 = 9 x 64 with stored groups of 128). The stored group size if none divides both."""
+    for g in sorted(cpu_weight_only.TORCH_GROUP_SIZES, reverse=True):
+        if group_size % g == 0 and in_features % g == 0:
+            return g
+    return group_size
+
+
+def _split_gptq_groups(
+    g: torch.Tensor, group_size: int, num_groups: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(g_idx [K] over finer groups, stored group of each finer group) for `int4pack_from_gptq`.
+
+    Only when the channels sorted by g_idx form consecutive stored groups of `group_size` (plain
+    and act-order GPTQ); otherwise g and the stored groups unchanged (the packer decides)."""
+    K = g.numel()
+    identity = torch.arange(num_groups)
+    perm = torch.argsort(g, stable=True)
+    fine = _torch_int4_group_size(K, group_size)
+    if fine == group_size or not torch.equal(g[perm], torch.arange(K) // group_size):
+        return g, identity
+    g_fine = torch.empty_like(g)
+    g_fine[perm] = torch.arange(K) // fine  # stable: argsort(g_fine) is perm again
+    return g_fine, g[perm][::fine]
+
+
+def _int4pack_runner(
+    w: cpu_weight_only.Int4PackedCPU, layer: QuantLinear
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    """x [M, K] -> [M, N] on torch's int4 kernel; the kernel alone when nothing is to be done
+    around it (no act-order permutation, no K padding, no bias): decode calls it ~200 times a
+    step, so the wrapper's checks and copies show."""
+    if w.perm is not None or w.padded_in_features != w.in_features or layer.bias is not None:
+        return lambda x: cpu_weight_only.int4pack_mm(x, w, layer._bias(x))
+    packed, group_size, sz = w.packed, w.group_size, w.scales_and_zeros
+    return lambda x: torch._weight_int4pack_mm_for_cpu(
+        x.to(sz.dtype).contiguous(), packed, group_size, sz
+    ).to(x.dtype)
 
 
 def _check_divisible(size: int, factor: int, what: str, scheme: LinearScheme) -> None:
@@ -234,15 +281,18 @@ class AWQLinear(QuantLinear):
         return self.path
 
     def _int4pack(self, dtype: torch.dtype) -> str:
+        gs = self.in_features if self.group_size == -1 else self.group_size
+        fine = _torch_int4_group_size(self.in_features, gs)
+        rows = torch.arange(0, self.in_features, fine) // gs  # stored group of each fine group
         try:
             w = cpu_weight_only.int4pack_from_awq(
-                self.qweight, self.qzeros, self.scales, self.group_size, dtype
+                self.qweight, self.qzeros[rows], self.scales[rows], fine, dtype
             )
         except ValueError as exc:
             logger.debug("int4pack rejected an AWQ layer (%s): dequantizing", exc)
             return self._dense_awq(dtype)
         self._drop("qweight", "qzeros", "scales")
-        self._run = lambda x: cpu_weight_only.int4pack_mm(x, w, self._bias(x))
+        self._run = _int4pack_runner(w, self)
         return "cpu-int4pack"
 
     def _dense_awq(self, dtype: torch.dtype) -> str:

@@ -13,30 +13,21 @@ C++ path off.
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import functools
-import logging
-import os
-import shutil
-import sys
-import sysconfig
-from collections.abc import Iterator
-from pathlib import Path
 
 import torch
 
+from qserve.kernels import cpu_build
 from qserve.kernels.attention_ref import Scale, chunk_attention_ref, paged_attention_ref
 
-logger = logging.getLogger("qserve")
-
-ENV_VAR = "QSERVE_CPU_KERNELS"
-SOURCE = Path(__file__).resolve().parent / "csrc" / "paged_attention_cpu.cpp"
+ENV_VAR = cpu_build.ENV_VAR
+enabled = cpu_build.enabled
+SOURCE = cpu_build.CSRC / "paged_attention_cpu.cpp"
 HEAD_DIMS = (64, 128)
 # dtype codes of the C++ source
 QUERY_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 PAGE_DTYPES = {**QUERY_DTYPES, torch.float8_e4m3fn: 3, torch.float8_e5m2: 4}
-CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 STATUS = {
     1: "unsupported dtype",
     2: "head_dim not 64 or 128",
@@ -75,65 +66,13 @@ _ARGS = (
 )
 
 
-def enabled() -> bool:
-    """The C++ path is on unless QSERVE_CPU_KERNELS=0 (read on every call)."""
-    return os.environ.get(ENV_VAR, "1").strip().lower() not in ("0", "false", "off", "no")
-
-
-@contextlib.contextmanager
-def _ninja_on_path() -> Iterator[None]:
-    """torch runs `ninja` from PATH; a pip-installed one sits beside this interpreter."""
-    path = os.environ.get("PATH", "")
-    if shutil.which("ninja") is None:
-        scripts = [sysconfig.get_path("scripts"), str(Path(sys.executable).parent)]
-        os.environ["PATH"] = os.pathsep.join([*scripts, path])
-    try:
-        yield
-    finally:
-        os.environ["PATH"] = path
-
-
-def extension_name() -> str:
-    """One build per CPU capability (avx2, avx512, ...): a shared cache never hands one CPU
-    another's -march=native build."""
-    return f"qserve_cpu_paged_attention_{torch.backends.cpu.get_cpu_capability().lower()}"
-
-
 @functools.cache
 def load_library() -> ctypes.CDLL | None:
     """Compile (first call on this machine, a few seconds) and load the kernel; None, with one
     warning, if that fails."""
-    compiler = os.environ.get("CXX", "c++")
-    if shutil.which(compiler) is None:
-        logger.warning("no C++ compiler (%s): CPU paged attention takes the torch path", compiler)
-        return None
-    try:
-        lib = ctypes.CDLL(str(_build()))
-        fn = lib.qserve_paged_attention_decode
-    except Exception as e:  # no ninja, a failed build: the torch path still works
-        first_line = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        logger.warning(
-            "CPU paged-attention kernel unavailable, using the torch path: %s", first_line
-        )
-        logger.debug("CPU paged-attention build failure", exc_info=True)
-        return None
-    fn.argtypes, fn.restype = [t for _, t in _ARGS], ctypes.c_int32
-    return lib
-
-
-def _build() -> str:
-    """Path of the shared library, compiled unless the torch extensions dir already has it."""
-    from torch.utils import cpp_extension
-
-    with _ninja_on_path():
-        return cpp_extension.load(
-            name=extension_name(),
-            sources=[str(SOURCE)],
-            extra_cflags=CFLAGS,
-            extra_ldflags=["-fopenmp"],
-            is_python_module=False,
-            verbose=False,
-        )
+    argtypes = [t for _, t in _ARGS]
+    symbols = {"qserve_paged_attention_decode": (argtypes, ctypes.c_int32)}
+    return cpu_build.build_library("cpu_paged_attention", SOURCE, symbols, "CPU paged-attention")
 
 
 def supports(query: torch.Tensor, kv_cache: torch.Tensor) -> bool:

@@ -2,8 +2,9 @@
 
 Model code calls these and never picks an implementation itself. Triton is imported only when a
 CUDA tensor arrives, so this module imports (and the CPU path runs) without triton installed.
-On CPU, paged attention's decode rows run a C++ kernel compiled on first use
-(`cpu_paged_attention`; QSERVE_CPU_KERNELS=0 turns it off).
+On CPU, paged attention's decode rows, the KV cache write, RMSNorm and RoPE run C++ kernels
+compiled on first use (`cpu_paged_attention`, `cpu_model_ops`; QSERVE_CPU_KERNELS=0 turns them
+off). RMSNorm and RoPE have no Triton kernel: torch on CUDA.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import ParamSpec, TypeVar
 
 import torch
 
-from qserve.kernels import cpu_paged_attention
+from qserve.kernels import cpu_model_ops, cpu_paged_attention
 from qserve.kernels.attention_ref import Scale, paged_attention_ref, reshape_and_cache_ref
 from qserve.kernels.fp8_ref import fp8_scaled_mm_ref, scaled_fp8_quant_ref, w8a8_fp8_linear_ref
 from qserve.kernels.int8_ref import (
@@ -24,6 +25,7 @@ from qserve.kernels.int8_ref import (
     w8a8_int8_linear_ref,
     w8a16_gemm_ref,
 )
+from qserve.kernels.model_ops_ref import rms_norm_ref, rope_neox_ref
 from qserve.kernels.w4a16_ref import awq_gemm_ref, gptq_gemm_ref
 
 
@@ -66,7 +68,10 @@ def reshape_and_cache(
     v_scale: Scale = 1.0,
 ) -> None:
     """Write new K/V [num_tokens, num_kv_heads, head_dim] into the pages at slot_mapping."""
-    _pick(key, reshape_and_cache_ref, "cache_write.reshape_and_cache")(
+    ref = reshape_and_cache_ref
+    if key.device.type == "cpu" and cpu_model_ops.cache_write_usable(key, kv_cache):
+        ref = cpu_model_ops.reshape_and_cache
+    _pick(key, ref, "cache_write.reshape_and_cache")(
         key, value, kv_cache, slot_mapping, k_scale, v_scale
     )
 
@@ -89,6 +94,38 @@ def paged_attention(
     return _pick(query, ref, "paged_attention.paged_attention")(
         query, kv_cache, block_tables, seq_lens, query_start_loc, scale, k_scale, v_scale
     )
+
+
+# ---------------------------------------------------------------------------- norm / RoPE
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm of x (see model_ops_ref.rms_norm_ref); with `residual`, of x + residual, also
+    returning that sum (on CPU the C++ op writes it into `residual` in place)."""
+    if cpu_model_ops.rms_norm_usable(x, weight, residual):
+        return cpu_model_ops.rms_norm(x, weight, eps, residual)
+    return rms_norm_ref(x, weight, eps, residual)
+
+
+def rope_in_place(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """`rope_neox` rotates q and k in place (the C++ op on CPU) rather than returning copies."""
+    return cpu_model_ops.rope_usable(q, k)
+
+
+def rope_neox(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    head_dim: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate-half RoPE of q [T, Hq * D] and k [T, Hk * D] (see model_ops_ref.rope_neox_ref);
+    the C++ op on CPU rotates them in place."""
+    if cpu_model_ops.rope_usable(q, k):
+        return cpu_model_ops.rope_neox(q, k, positions, cos_sin_cache, head_dim)
+    return rope_neox_ref(q, k, positions, cos_sin_cache, head_dim)
 
 
 # ------------------------------------------------------------------------ weight-only GEMMs

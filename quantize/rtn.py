@@ -104,7 +104,7 @@ def search_qparams(
     for i in range(int(max_shrink * grid)):
         p = 1 - i / grid
         scale, zero = compute_qparams(torch.stack([p * lo, p * hi], dim=1), bits, sym, min_zero)
-        err = (scale[:, None] * (quantize_codes(W, scale, zero, bits) - zero[:, None]) - W)
+        err = scale[:, None] * (quantize_codes(W, scale, zero, bits) - zero[:, None]) - W
         err = err.abs().pow(norm).sum(dim=1)
         better = err < best
         best = torch.where(better, err, best)

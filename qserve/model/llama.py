@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from qserve.kernels import ops
+from qserve.kernels.model_ops_ref import apply_rope_ref, rope_cos_sin
 from qserve.model.attention import Attention, AttentionMetadata
 from qserve.model.config import ModelConfig, RopeScaling
 
@@ -20,17 +22,20 @@ RopeCosSin = tuple[torch.Tensor, torch.Tensor]  # cos, sin: [num_tokens, 1, head
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm computed in fp32, cast back before the weight (as Hugging Face's LlamaRMSNorm)."""
+    """RMSNorm computed in fp32, cast back before the weight (as Hugging Face's LlamaRMSNorm).
+
+    forward(x) -> normed; forward(x, residual) -> (normed x + residual, x + residual), vLLM's
+    fused add + norm (on CPU the sum is written into `residual` in place)."""
 
     def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        return ops.rms_norm(x, self.weight, self.eps, residual)
 
 
 def rope_inv_freq(
@@ -85,24 +90,32 @@ class RotaryEmbedding(nn.Module):
     def init_cache(self, device: torch.device | str) -> None:
         self.cos_sin_cache = self._compute_cache(device)
 
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> RopeCosSin:
-        """cos, sin for `positions` (int64 [num_tokens]): each [num_tokens, 1, head_dim]."""
-        cos, sin = self.cos_sin_cache[positions].chunk(2, dim=-1)  # [num_tokens, head_dim // 2]
-        cos = torch.cat((cos, cos), dim=-1)[:, None, :].to(dtype)
-        sin = torch.cat((sin, sin), dim=-1)[:, None, :].to(dtype)
-        return cos, sin
+    def forward(self, positions: torch.Tensor) -> Rope:
+        """The rotation of one step's tokens (positions int64 [num_tokens]), for every layer."""
+        return Rope(positions, self.cos_sin_cache, self.head_dim)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
+class Rope:
+    """RoPE of one step: `apply(q, k)` in every layer. The torch path gathers cos/sin once per
+    step (on first use); the C++ path on CPU reads the cache by position and rotates in place."""
 
+    def __init__(self, positions: torch.Tensor, cos_sin_cache: torch.Tensor, head_dim: int):
+        self.positions = positions
+        self.cos_sin_cache = cos_sin_cache
+        self.head_dim = head_dim
+        self._cos_sin: RopeCosSin | None = None
 
-def apply_rope(x: torch.Tensor, cos_sin: RopeCosSin, head_dim: int) -> torch.Tensor:
-    """x [num_tokens, heads * head_dim] rotated by the cos/sin of each token's position."""
-    cos, sin = cos_sin
-    heads = x.view(x.shape[0], -1, head_dim)  # [num_tokens, heads, head_dim]
-    return (heads * cos + _rotate_half(heads) * sin).view(x.shape)
+    def cos_sin(self, dtype: torch.dtype) -> RopeCosSin:
+        if self._cos_sin is None or self._cos_sin[0].dtype != dtype:
+            self._cos_sin = rope_cos_sin(self.cos_sin_cache, self.positions, dtype)
+        return self._cos_sin
+
+    def apply(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [num_tokens, num_heads * head_dim], k [num_tokens, num_kv_heads * head_dim]."""
+        if ops.rope_in_place(q, k):
+            return ops.rope_neox(q, k, self.positions, self.cos_sin_cache, self.head_dim)
+        cos_sin = self.cos_sin(q.dtype)
+        return apply_rope_ref(q, cos_sin, self.head_dim), apply_rope_ref(k, cos_sin, self.head_dim)
 
 
 class LlamaAttention(nn.Module):
@@ -124,13 +137,12 @@ class LlamaAttention(nn.Module):
     def forward(
         self,
         hidden: torch.Tensor,
-        cos_sin: RopeCosSin,
+        rope: Rope,
         kv_cache: torch.Tensor,
         attn_metadata: AttentionMetadata,
     ) -> torch.Tensor:
         q, k, v = self.q_proj(hidden), self.k_proj(hidden), self.v_proj(hidden)
-        q = apply_rope(q, cos_sin, self.head_dim)  # [num_tokens, num_heads * head_dim]
-        k = apply_rope(k, cos_sin, self.head_dim)  # [num_tokens, num_kv_heads * head_dim]
+        q, k = rope.apply(q, k)  # [num_tokens, num_heads / num_kv_heads * head_dim]
         out = self.attn(q, k, v, kv_cache, attn_metadata)  # [num_tokens, num_heads * head_dim]
         return self.o_proj(out)
 
@@ -158,13 +170,20 @@ class LlamaDecoderLayer(nn.Module):
     def forward(
         self,
         hidden: torch.Tensor,
-        cos_sin: RopeCosSin,
+        residual: torch.Tensor | None,
+        rope: Rope,
         kv_cache: torch.Tensor,
         attn_metadata: AttentionMetadata,
-    ) -> torch.Tensor:
-        attn_in = self.input_layernorm(hidden)
-        hidden = hidden + self.self_attn(attn_in, cos_sin, kv_cache, attn_metadata)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(hidden, residual) -> (this layer's MLP output, the residual stream before it), as
+        vLLM: the next norm adds them (the first layer gets residual None)."""
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(hidden, rope, kv_cache, attn_metadata)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 class LlamaModel(nn.Module):
@@ -185,10 +204,13 @@ class LlamaModel(nn.Module):
         attn_metadata: AttentionMetadata,
     ) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)  # [num_tokens, hidden]
-        cos_sin = self.rotary_emb(positions, hidden.dtype)  # gathered once for all layers
+        rope = self.rotary_emb(positions)
+        residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden = layer(hidden, cos_sin, kv_cache, attn_metadata)
-        return self.norm(hidden)
+            hidden, residual = layer(hidden, residual, rope, kv_cache, attn_metadata)
+        if residual is None:  # no layers
+            return self.norm(hidden)
+        return self.norm(hidden, residual)[0]
 
 
 class LlamaForCausalLM(nn.Module):

@@ -9,7 +9,11 @@ Kernel paths (`QuantLinear.path`):
 
     triton            CUDA tensors: `qserve.kernels.ops` (gptq_gemm, awq_gemm, w8a16_gemm,
                       w8a8_int8_linear, w8a8_fp8_linear) on the checkpoint's own layout
+    cpu-w4a16         C++ kernel (`qserve.kernels.cpu_w4a16`, 4-bit GPTQ/AWQ, any activation
+                      dtype): codes decoded in registers for up to 32 rows, larger batches
+                      dequantize once per call into an fp32 GEMM
     cpu-int4pack      torch._weight_int4pack_mm_for_cpu (4-bit GPTQ/AWQ, 16-bit activations)
+                      where the C++ kernel is off (QSERVE_CPU_KERNELS=0) or did not compile
     cpu-int8pack      torch._weight_int8pack_mm (int8 weights; W8A8 quantizes activations first)
     dequantized       dequantized once at load, F.linear (FP8 on CPU, fp32 activations, shapes or
                       groups no native kernel takes); W8A8 activations are fake-quantized first
@@ -28,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from qserve.errors import QServeError
-from qserve.kernels import cpu_weight_only, ops, packing
+from qserve.kernels import cpu_w4a16, cpu_weight_only, ops, packing
 from qserve.kernels.fp8_ref import FP8_MAX, scaled_fp8_quant_ref
 from qserve.kernels.int8_ref import INT8_MAX, scaled_int8_quant_ref
 from qserve.model.quant_config import LinearScheme, QuantScheme
@@ -102,6 +106,18 @@ def _use_cpu_kernel(t: torch.Tensor, dtype: torch.dtype) -> bool:
     return t.device.type == "cpu" and dtype in HALF_DTYPES
 
 
+def _use_cpu_w4a16(t: torch.Tensor, bits: int) -> bool:
+    """The C++ 4-bit kernel: CPU tensors, enabled and compiled (compiles on first use)."""
+    return t.device.type == "cpu" and bits == 4 and cpu_w4a16.available()
+
+
+def _cpu_w4a16_runner(
+    w: cpu_w4a16.W4PackedCPU, bias: torch.Tensor | None
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    b = None if bias is None else bias.to(torch.float32).contiguous()  # converted once
+    return lambda x: cpu_w4a16.w4_mm(x, w, b)
+
+
 def _on_triton(t: torch.Tensor) -> bool:
     return ops.use_triton(t)
 
@@ -147,6 +163,8 @@ class GPTQLinear(QuantLinear):
         g = self._groups()
         if _on_triton(self.qweight):
             self.path = self._triton(g)
+        elif _use_cpu_w4a16(self.qweight, self.scheme.bits) and self._cpu_w4a16(g):
+            self.path = "cpu-w4a16"
         elif _use_cpu_kernel(self.qweight, dtype) and self.scheme.bits == 4:
             self.path = self._int4pack(g, dtype)
         elif _use_cpu_kernel(self.qweight, dtype) and self._fits_int8(g):
@@ -160,6 +178,16 @@ class GPTQLinear(QuantLinear):
         args = (self.qweight, self.qzeros, self.scales, g_idx, self.scheme.bits)
         self._run = lambda x: ops.gptq_gemm(x, *args, bias=self._bias(x))
         return "triton"
+
+    def _cpu_w4a16(self, g: torch.Tensor) -> bool:
+        try:
+            w = cpu_w4a16.w4_from_gptq(self.qweight, self.qzeros, self.scales, g)
+        except ValueError as exc:  # shapes or groups the kernel does not take
+            logger.debug("cpu_w4a16 rejected a GPTQ layer (%s)", exc)
+            return False
+        self._drop("qweight", "qzeros", "scales", "g_idx")
+        self._run = _cpu_w4a16_runner(w, self.bias)
+        return True
 
     def _int4pack(self, g: torch.Tensor, dtype: torch.dtype) -> str:
         g_fine, rows = _split_gptq_groups(g, self.group_size, self.num_groups)
@@ -274,11 +302,23 @@ class AWQLinear(QuantLinear):
             args = (self.qweight, self.qzeros, self.scales, self.group_size)
             self._run = lambda x: ops.awq_gemm(x, *args, bias=self._bias(x))
             self.path = "triton"
+        elif _use_cpu_w4a16(self.qweight, 4) and self._cpu_w4a16():
+            self.path = "cpu-w4a16"
         elif _use_cpu_kernel(self.qweight, dtype):
             self.path = self._int4pack(dtype)
         else:
             self.path = self._dense_awq(dtype)
         return self.path
+
+    def _cpu_w4a16(self) -> bool:
+        try:
+            w = cpu_w4a16.w4_from_awq(self.qweight, self.qzeros, self.scales, self.group_size)
+        except ValueError as exc:
+            logger.debug("cpu_w4a16 rejected an AWQ layer (%s)", exc)
+            return False
+        self._drop("qweight", "qzeros", "scales")
+        self._run = _cpu_w4a16_runner(w, self.bias)
+        return True
 
     def _int4pack(self, dtype: torch.dtype) -> str:
         gs = self.in_features if self.group_size == -1 else self.group_size

@@ -14,6 +14,8 @@ TEXTS = [
     "Unseen: 鯨の歌 🦑🦀 Ελληνικά ÅÆØ ß…\nnew line\ttab “quoted” ½",
     "é" * 7 + "🐳" * 3 + "日本" * 2,
 ]
+
+
 @pytest.fixture(scope="module")
 def tokenizer() -> PreTrainedTokenizerFast:
     return byte_bpe_tokenizer()

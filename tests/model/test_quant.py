@@ -23,7 +23,7 @@ from safetensors.torch import load_file, save_file
 from qserve.engine.llm import LLM
 from qserve.engine.sampling_params import SamplingParams
 from qserve.errors import QServeError
-from qserve.kernels import packing
+from qserve.kernels import cpu_w4a16, packing
 from qserve.kernels.fp8_ref import scaled_fp8_quant_ref
 from qserve.kernels.int8_ref import scaled_int8_quant_ref
 from qserve.model.config import ModelConfig
@@ -43,7 +43,10 @@ METHODS = {
     "fp8": dict(method="fp8"),
     "fp8-vllm": dict(method="fp8", weight_strategy="tensor", activation_scheme="static", **CALIB),
 }
-# Paths on CPU with bf16 activations (fp32 activations always take "dequantized").
+# 4-bit checkpoints run on the C++ kernel on CPU (any activation dtype) where it compiled and
+# QSERVE_CPU_KERNELS is not 0; otherwise, and for the others, these paths with bf16 activations
+# (fp32 activations take "dequantized").
+W4_METHODS = ("rtn", "gptq", "gptq-act-order", "awq")
 BF16_PATHS = {
     "rtn": "cpu-int4pack",
     "rtn-8bit": "cpu-int8pack",
@@ -55,8 +58,8 @@ BF16_PATHS = {
     "fp8-vllm": "dequantized",
 }
 # Logits: max |quantized - reference| / max |reference| over a 40-token prompt. fp32 runs the
-# same dequantized weights (summation order only); bf16 runs torch's packed kernels against a
-# dense bf16 matmul, both rounding to 8 significant bits.
+# same dequantized weights (summation order only; the C++ kernel sums in fp32 too); bf16 runs
+# packed kernels against a dense bf16 matmul, both rounding to 8 significant bits.
 LOGITS_TOL = {torch.float32: 1e-5, torch.bfloat16: 3e-2}
 NUM_PROMPTS, MAX_TOKENS = 4, 32
 
@@ -180,14 +183,25 @@ def prefill_logits(model: torch.nn.Module, config: ModelConfig) -> torch.Tensor:
         return model.compute_logits(hidden)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def expected_path(name: str, dtype: torch.dtype) -> str:
+    if name in W4_METHODS and cpu_w4a16.available():
+        return "cpu-w4a16"
+    return BF16_PATHS[name] if dtype == torch.bfloat16 else "dequantized"
+
+
+@pytest.mark.parametrize(
+    ("dtype", "cpu_kernels"),
+    [(torch.float32, "1"), (torch.bfloat16, "1"), (torch.float32, "0"), (torch.bfloat16, "0")],
+    ids=["fp32", "bf16", "fp32-torch", "bf16-torch"],
+)
 @pytest.mark.parametrize("name", list(METHODS))
-def test_logits_match_the_dequantized_reference(work, name, dtype):
+def test_logits_match_the_dequantized_reference(work, name, dtype, cpu_kernels, monkeypatch):
+    monkeypatch.setenv("QSERVE_CPU_KERNELS", cpu_kernels)  # "0": torch's kernels, no C++
     folder = checkpoint(work, name)
     model, config = load_model(folder, dtype)
     ref_model, _ = load_model(reference(folder), dtype)
     fake_quant_inputs(ref_model, folder)
-    path = BF16_PATHS[name] if dtype == torch.bfloat16 else "dequantized"
+    path = expected_path(name, dtype)
     paths = model.load_report.linear_paths
     assert paths == {**dict.fromkeys(paths, path), "lm_head": "dense (not quantized)"}
     got, want = prefill_logits(model, config), prefill_logits(ref_model, config)

@@ -11,20 +11,29 @@ import torch
 import torch.nn.functional as F
 
 from qserve.errors import QServeError
-from qserve.kernels import packing
+from qserve.kernels import cpu_w4a16, packing
 from qserve.kernels.fp8_ref import quantize_weight_fp8_ref, scaled_fp8_quant_ref
 from qserve.kernels.int8_ref import scaled_int8_quant_ref
 from qserve.model.quant import AWQLinear, GPTQLinear, QuantLinear, W8Linear
 from qserve.model.quant_config import LinearScheme
 
 # Max |out - expected| relative to max |expected|. bf16 rounds activations, outputs and (int4pack)
-# the scales and zero terms to 8 significant bits: a few 2^-8 at worst.
-TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
+# the scales and zero terms to 8 significant bits: a few 2^-8 at worst; fp16 to 11 bits.
+TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
 
 
 @pytest.fixture(autouse=True)
 def _one_thread() -> None:
     torch.set_num_threads(1)
+
+
+@pytest.fixture
+def torch_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The C++ CPU kernels off: the paths torch's own kernels (or dequantization) give."""
+    monkeypatch.setenv("QSERVE_CPU_KERNELS", "0")
+
+
+needs_cpp = pytest.mark.skipif(not cpu_w4a16.available(), reason="the C++ kernel did not build")
 
 
 def rtn(w: torch.Tensor, bits: int, group: int, min_zero: int = 1, sym: bool = False):
@@ -129,11 +138,42 @@ def run(layer: QuantLinear, ref_w: torch.Tensor, dtype: torch.dtype, bias=None, 
         (32, 64, 8, 32, True, torch.float32, "dequantized"),
     ],
 )
-def test_gptq_paths(N, K, bits, group, act_order, dtype, path):
+def test_gptq_paths_without_cpp(N, K, bits, group, act_order, dtype, path, torch_kernels):
     layer, ref, bias = gptq_layer(N, K, bits, group, act_order, bias=True)
     assert layer.prepare(dtype) == path
     layer.bias = layer.bias.to(dtype)
     run(layer, ref, dtype, bias.to(dtype))
+
+
+@needs_cpp
+@pytest.mark.parametrize(
+    ("N", "K", "group", "act_order", "dtype", "path"),
+    [
+        (64, 128, 32, False, torch.bfloat16, "cpu-w4a16"),
+        (64, 128, 32, True, torch.bfloat16, "cpu-w4a16"),
+        (64, 128, 32, True, torch.float32, "cpu-w4a16"),
+        (48, 160, 32, False, torch.float16, "cpu-w4a16"),
+        (64, 96, -1, False, torch.bfloat16, "cpu-w4a16"),  # per channel
+        (64, 96, 48, False, torch.float32, "cpu-w4a16"),  # a group torch's kernel rejects
+        (8, 64, 32, False, torch.bfloat16, "cpu-w4a16"),  # N % 16 != 0
+        (40, 80, 20, False, torch.float32, "dequantized"),  # groups not a multiple of 8
+    ],
+)
+def test_gptq_4bit_paths_with_cpp(N, K, group, act_order, dtype, path):
+    layer, ref, bias = gptq_layer(N, K, 4, group, act_order, bias=True)
+    assert layer.prepare(dtype) == path
+    run(layer, ref, dtype, bias)
+
+
+@needs_cpp
+@pytest.mark.parametrize(
+    ("N", "K", "group", "dtype"),
+    [(64, 128, 32, torch.bfloat16), (24, 64, 32, torch.float32), (32, 192, -1, torch.float32)],
+)
+def test_awq_paths_with_cpp(N, K, group, dtype):
+    layer, ref = awq_layer(N, K, group)
+    assert layer.prepare(dtype) == "cpu-w4a16"
+    run(layer, ref, dtype)
 
 
 def test_gptq_8bit_symmetric_per_channel_runs_on_the_int8_kernel():
@@ -151,7 +191,7 @@ def test_gptq_8bit_symmetric_per_channel_runs_on_the_int8_kernel():
         (24, 64, 32, torch.bfloat16, "dequantized"),
     ],
 )
-def test_awq_paths(N, K, group, dtype, path):
+def test_awq_paths_without_cpp(N, K, group, dtype, path, torch_kernels):
     layer, ref = awq_layer(N, K, group)
     assert layer.prepare(dtype) == path
     run(layer, ref, dtype)
@@ -254,3 +294,10 @@ def test_triton_wiring_through_ops_w8(monkeypatch, fmt, acts):
     layer, ref, input_scale = w8_layer(fmt, acts, per_channel=True)
     assert layer.prepare(torch.bfloat16) == "triton"
     run(layer, ref, torch.bfloat16, x_fn=fake_quant(fmt, acts, input_scale))
+
+
+def test_without_the_cpp_build_4bit_takes_torch_int4(monkeypatch):
+    monkeypatch.setattr(cpu_w4a16, "load_library", lambda: None)  # as after a failed compile
+    layer, ref, _ = gptq_layer(64, 128, 4, 32, act_order=False)
+    assert layer.prepare(torch.bfloat16) == "cpu-int4pack"
+    run(layer, ref, torch.bfloat16)

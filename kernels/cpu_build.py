@@ -1,0 +1,93 @@
+"""Build and load the C++ CPU kernels in `csrc/` (plain C entry points called through ctypes).
+
+Each source is compiled once per machine with `torch.utils.cpp_extension.load` (-O3
+-march=native -fopenmp, cached in the torch extensions dir under a name keyed by the CPU
+capability, so a shared cache never hands one CPU another's build). Nothing compiles at import:
+a kernel module calls `build_library` from its own cached `load_library`. If compiling fails
+(no compiler, no ninja) the caller gets None and logs one warning; every call then takes the
+torch path. `QSERVE_CPU_KERNELS=0` turns all C++ paths off.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import os
+import shutil
+import sys
+import sysconfig
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger("qserve")
+
+ENV_VAR = "QSERVE_CPU_KERNELS"
+CSRC = Path(__file__).resolve().parent / "csrc"
+CFLAGS = ["-O3", "-march=native", "-fopenmp"]
+
+
+def enabled() -> bool:
+    """The C++ paths are on unless QSERVE_CPU_KERNELS=0 (read on every call)."""
+    return os.environ.get(ENV_VAR, "1").strip().lower() not in ("0", "false", "off", "no")
+
+
+@contextlib.contextmanager
+def _ninja_on_path() -> Iterator[None]:
+    """torch runs `ninja` from PATH; a pip-installed one sits beside this interpreter."""
+    path = os.environ.get("PATH", "")
+    if shutil.which("ninja") is None:
+        scripts = [sysconfig.get_path("scripts"), str(Path(sys.executable).parent)]
+        os.environ["PATH"] = os.pathsep.join([*scripts, path])
+    try:
+        yield
+    finally:
+        os.environ["PATH"] = path
+
+
+def extension_name(stem: str) -> str:
+    """`qserve_<stem>_<avx2|avx512|...>`: one build per CPU capability."""
+    return f"qserve_{stem}_{torch.backends.cpu.get_cpu_capability().lower()}"
+
+
+def build_library(
+    stem: str,
+    source: Path,
+    symbols: dict[str, tuple[list[type], type]],
+    what: str,
+    extra_cflags: tuple[str, ...] = (),
+) -> ctypes.CDLL | None:
+    """Compile `source` (first call on this machine, a few seconds), load it and set each
+    symbol's (argtypes, restype). None, with one warning naming `what`, if that fails."""
+    compiler = os.environ.get("CXX", "c++")
+    if shutil.which(compiler) is None:
+        logger.warning("no C++ compiler (%s): %s takes the torch path", compiler, what)
+        return None
+    try:
+        lib = ctypes.CDLL(str(_build(stem, source, extra_cflags)))
+        for name, (argtypes, restype) in symbols.items():
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = argtypes, restype
+    except Exception as e:  # no ninja, a failed build: the torch path still works
+        first_line = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        logger.warning("%s kernel unavailable, using the torch path: %s", what, first_line)
+        logger.debug("%s build failure", what, exc_info=True)
+        return None
+    return lib
+
+
+def _build(stem: str, source: Path, extra_cflags: tuple[str, ...] = ()) -> str:
+    """Path of the shared library, compiled unless the torch extensions dir already has it."""
+    from torch.utils import cpp_extension
+
+    with _ninja_on_path():
+        return cpp_extension.load(
+            name=extension_name(stem),
+            sources=[str(source)],
+            extra_cflags=[*CFLAGS, *extra_cflags],
+            extra_ldflags=["-fopenmp"],
+            is_python_module=False,
+            verbose=False,
+        )

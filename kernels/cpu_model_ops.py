@@ -1,0 +1,186 @@
+"""C++ versions of the decoder's small per-layer ops on CPU (csrc/model_ops_cpu.cpp).
+
+At decode sizes each of these is 6-12 torch ops whose dispatch costs more than their
+arithmetic (~0.35 ms per layer on SmolLM2 at batch 1, a fifth of a step); one C call each
+computes the same numbers: RoPE and the cache write bit-identical to `model_ops_ref` /
+`reshape_and_cache_ref` (fp8 included), RMSNorm up to its sum's order (a 16-bit output is
+rarely one unit in the last place off). Compiled on first use like the other
+CPU kernels (`cpu_build`); `usable` is False when QSERVE_CPU_KERNELS=0, off CPU, for layouts
+they do not take, or when the build failed, and callers take the torch references.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+
+from qserve.kernels import cpu_build
+from qserve.kernels.attention_ref import Scale
+
+SOURCE = cpu_build.CSRC / "model_ops_cpu.cpp"
+DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+PAGE_DTYPES = {**DTYPES, torch.float8_e4m3fn: 3, torch.float8_e5m2: 4}
+STATUS = {1: "unsupported dtype", 2: "bad shape or position", 3: "a slot outside the cache"}
+
+_i32, _i64, _ptr, _f32 = ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
+_SYMBOLS = {
+    "qserve_rms_norm": ([_ptr, _i64, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _f32, _i32], _i32),
+    "qserve_rope_neox": (
+        [_ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _ptr, _i64, _i64, _i64, _i32],
+        _i32,
+    ),
+    "qserve_reshape_and_cache": (
+        [_ptr, _ptr, _i64, _i32, _ptr, _i32, _i64, _ptr, _i64, _i64, _i64, _ptr, _ptr],
+        _i32,
+    ),
+}
+
+
+@functools.cache
+def load_library() -> ctypes.CDLL | None:
+    """Compile (first call on this machine, a few seconds) and load; None, with one warning,
+    if that fails. -ffp-contract=off: no fused multiply-add where torch rounds in between."""
+    return cpu_build.build_library(
+        "cpu_model_ops", SOURCE, _SYMBOLS, "CPU model ops", ("-ffp-contract=off",)
+    )
+
+
+def _rows(t: torch.Tensor) -> bool:
+    """A CPU tensor of rows [M, H] with a contiguous last dim."""
+    return t.device.type == "cpu" and t.dim() == 2 and t.stride(-1) == 1
+
+
+def usable(*tensors: torch.Tensor) -> bool:
+    """Enabled, on CPU, in a dtype the C++ ops take, and compiled."""
+    if not cpu_build.enabled():
+        return False
+    if any(t.device.type != "cpu" or t.dtype not in DTYPES for t in tensors):
+        return False
+    return load_library() is not None
+
+
+def rms_norm_usable(
+    x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None = None
+) -> bool:
+    """`rms_norm` takes these: rows with a contiguous last dim, one dtype."""
+    tensors = (x, weight) if residual is None else (x, weight, residual)
+    if any(t.dtype != x.dtype or t.stride(-1) != 1 for t in tensors):
+        return False
+    if residual is not None and (residual.shape != x.shape or not residual.is_contiguous()):
+        return False
+    return weight.is_contiguous() and weight.dim() == 1 and usable(*tensors)
+
+
+def rope_usable(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """`rope_neox` takes these: rows [T, heads * D] of one dtype, contiguous last dim."""
+    return (
+        q.dim() == 2 and k.dim() == 2 and q.dtype == k.dtype and q.shape[0] == k.shape[0]
+        and q.stride(-1) == 1 and k.stride(-1) == 1 and usable(q, k)
+    )  # fmt: skip
+
+
+def _check(status: int, what: str) -> None:
+    if status:
+        raise ValueError(f"{what}: {STATUS.get(status, status)}")
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Same contract as `rms_norm_ref`; with `residual`, the sum is written into `residual`
+    in place and returned as the new residual."""
+    H = x.shape[-1]
+    x2 = x.reshape(-1, H)
+    if not rms_norm_usable(x2, weight):
+        raise ValueError("rms_norm: rows with a contiguous last dim and a weight of x's dtype")
+    r2 = None if residual is None else residual.view(-1, H)
+    if r2 is not None and (r2.dtype != x.dtype or not _rows(r2)):
+        raise ValueError("rms_norm: residual must be rows of x's dtype")
+    out = torch.empty(x2.shape, dtype=x.dtype)
+    lib = load_library()
+    status = lib.qserve_rms_norm(
+        x2.data_ptr(), x2.stride(0),
+        None if r2 is None else r2.data_ptr(), 0 if r2 is None else r2.stride(0),
+        weight.data_ptr(), out.data_ptr(), out.stride(0), x2.shape[0], H, eps, DTYPES[x.dtype],
+    )  # fmt: skip
+    _check(status, "rms_norm")
+    out = out.view(x.shape)
+    return out if residual is None else (out, residual)
+
+
+def rope_neox(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    head_dim: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same contract as `rope_neox_ref`, rotating q [T, Hq * D] and k [T, Hk * D] in place."""
+    if not (_rows(q) and _rows(k)) or k.dtype != q.dtype or q.shape[0] != k.shape[0]:
+        raise ValueError("rope_neox: q and k rows of one dtype with a contiguous last dim")
+    if cos_sin_cache.dtype != torch.float32 or not cos_sin_cache.is_contiguous():
+        raise ValueError("rope_neox: cos_sin_cache must be contiguous fp32")
+    pos = positions if positions.dtype == torch.int64 else positions.to(torch.int64)
+    pos = pos.contiguous()
+    status = load_library().qserve_rope_neox(
+        q.data_ptr(), q.stride(0), q.shape[1] // head_dim,
+        k.data_ptr(), k.stride(0), k.shape[1] // head_dim,
+        pos.data_ptr(), cos_sin_cache.data_ptr(), cos_sin_cache.shape[0],
+        q.shape[0], head_dim, DTYPES[q.dtype],
+    )  # fmt: skip
+    _check(status, "rope_neox")
+    return q, k
+
+
+@functools.lru_cache(maxsize=64)
+def _constant_scale(value: float, num_kv_heads: int) -> torch.Tensor:
+    return torch.full((num_kv_heads,), value, dtype=torch.float32)
+
+
+def _head_scales(scale: Scale, num_kv_heads: int) -> torch.Tensor:
+    if not isinstance(scale, torch.Tensor) or scale.numel() == 1:
+        return _constant_scale(float(scale), num_kv_heads)
+    if scale.numel() != num_kv_heads:
+        raise ValueError(f"scale has {scale.numel()} values, expected 1 or {num_kv_heads}")
+    return scale.reshape(num_kv_heads).to("cpu", torch.float32).contiguous()
+
+
+def cache_write_usable(key: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+    """The C++ cache write takes these (CPU, contiguous pages, rows of K/V)."""
+    return (
+        kv_cache.dtype in PAGE_DTYPES
+        and kv_cache.device.type == "cpu"
+        and kv_cache.is_contiguous()
+        and key.dim() == 3
+        and usable(key)
+    )
+
+
+def reshape_and_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: Scale = 1.0,
+    v_scale: Scale = 1.0,
+) -> None:
+    """Same contract as `reshape_and_cache_ref`: key/value [T, Hk, D] into their slots."""
+    T, Hk, D = key.shape
+    if value.shape != key.shape or value.dtype != key.dtype:
+        raise ValueError("reshape_and_cache: key and value differ in shape or dtype")
+    if kv_cache.shape[0] != 2 or kv_cache.shape[3:] != (Hk, D):
+        raise ValueError(f"reshape_and_cache: pages {tuple(kv_cache.shape)} do not fit K/V")
+    k2, v2 = key.reshape(T, Hk * D), value.reshape(T, Hk * D)
+    if k2.stride(-1) != 1 or v2.stride(0) != k2.stride(0):
+        k2, v2 = k2.contiguous(), v2.contiguous()
+    slots = slot_mapping if slot_mapping.dtype == torch.int64 else slot_mapping.to(torch.int64)
+    slots = slots.contiguous()
+    status = load_library().qserve_reshape_and_cache(
+        k2.data_ptr(), v2.data_ptr(), k2.stride(0), DTYPES[key.dtype],
+        kv_cache.data_ptr(), PAGE_DTYPES[kv_cache.dtype], kv_cache.shape[1] * kv_cache.shape[2],
+        slots.data_ptr(), T, Hk, D,
+        _head_scales(k_scale, Hk).data_ptr(), _head_scales(v_scale, Hk).data_ptr(),
+    )  # fmt: skip
+    _check(status, "reshape_and_cache")

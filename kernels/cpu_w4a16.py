@@ -1,0 +1,193 @@
+"""C++ 4-bit weight-only matmul on CPU (csrc/w4a16_cpu.cpp), compiled on first use.
+
+Same function as `w4a16_ref.gptq_gemm_ref` / `awq_gemm_ref`: y = x @ dequantize(W).T in fp32,
+output in x's dtype. Repack once at load time, then call per step:
+
+    w = w4_from_gptq(qweight, qzeros, scales, g_idx)   # or w4_from_awq(qweight, qzeros, ...)
+    y = w4_mm(x, w, bias)                               # x [..., K] -> [..., N]
+
+Decode-sized batches (M <= `GEMV_MAX_ROWS`) run the C++ loop, which dequantizes codes in
+registers and reads 4 bits per weight; larger M dequantizes the weight to fp32 once per call
+(in C++) and runs torch's fp32 GEMM, which is faster than any loop here once the weight is
+reused across many rows (on AVX2 CPUs an fp32 GEMM is also 4-5x faster than a bf16 one).
+
+Layout (`W4PackedCPU`): codes uint32 [N/8, K/8, 8], GPTQ's packing along K blocked over groups
+of 8 output channels; scales and scale * zero fp32 [N/8, G, 8]. Act-order GPTQ sorts the input
+channels by group (x is read through `perm`). Needs K and N multiples of 8 and groups of a
+multiple of 8 consecutive channels (after sorting); `w4_from_*` raise ValueError otherwise.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from qserve.kernels import cpu_build
+from qserve.kernels.packing import (
+    unpack_awq_qweight,
+    unpack_awq_qzeros,
+    unpack_gptq_qweight,
+    unpack_gptq_qzeros,
+)
+
+SOURCE = cpu_build.CSRC / "w4a16_cpu.cpp"
+GEMV_MAX_ROWS = 32  # larger M: dequantize + fp32 GEMM (benchmarks/cpu_w4a16.py measures it)
+X_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+STATUS = {1: "unsupported dtype", 2: "K, N and group size must be multiples of 8"}
+
+_i32, _i64, _ptr = ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p
+_GEMM_ARGS = [_ptr, _i32, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _ptr, _i64]
+_DEQUANT_ARGS = [_ptr, _ptr, _ptr, _i64, _i64, _i64, _ptr, _i32]
+
+
+@functools.cache
+def load_library() -> ctypes.CDLL | None:
+    """Compile (first call on this machine, a few seconds) and load; None, with one warning,
+    if that fails."""
+    symbols = {
+        "qserve_w4_gemm": ([*_GEMM_ARGS, _i32], _i32),
+        "qserve_w4_dequantize": (_DEQUANT_ARGS, _i32),
+    }
+    return cpu_build.build_library("cpu_w4a16", SOURCE, symbols, "CPU W4A16")
+
+
+def available() -> bool:
+    """Enabled (QSERVE_CPU_KERNELS) and compiled (compiles on the first call)."""
+    return cpu_build.enabled() and load_library() is not None
+
+
+@dataclass(frozen=True)
+class W4PackedCPU:
+    """A 4-bit weight in the C++ kernel's layout (see the module docstring)."""
+
+    codes: torch.Tensor  # int32 [N/8, K/8, 8] (the kernel reads uint32)
+    scales: torch.Tensor  # fp32 [N/8, G, 8]
+    zs: torch.Tensor  # fp32 [N/8, G, 8]: scale * zero
+    group_size: int
+    perm: torch.Tensor | None  # int64 [K]: act-order input channel order, read from x
+
+    @property
+    def in_features(self) -> int:
+        return self.codes.shape[1] * 8
+
+    @property
+    def out_features(self) -> int:
+        return self.codes.shape[0] * 8
+
+
+def _blocked(t: torch.Tensor) -> torch.Tensor:
+    """[R, N] -> [N/8, R, 8] contiguous."""
+    R, N = t.shape
+    return t.reshape(R, N // 8, 8).permute(1, 0, 2).contiguous()
+
+
+def w4_from_codes(
+    q: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor,
+    group_size: int,
+    perm: torch.Tensor | None = None,
+) -> W4PackedCPU:
+    """q [K, N] in [0, 15] (rows in the order x is read through `perm`) with groups of
+    `group_size` consecutive rows; scales, zeros [G, N]: W[n, k] = scale * (q - zero)."""
+    K, N = q.shape
+    G = scales.shape[0]
+    if K % 8 or N % 8 or group_size % 8 or G * group_size != K:
+        raise ValueError(
+            f"W4 CPU kernel needs K, N and the group size multiples of 8 and K = groups x group "
+            f"size; got K={K}, N={N}, {G} groups of {group_size}"
+        )
+    shifts = torch.arange(0, 32, 4, dtype=torch.int64)
+    words = (q.to(torch.int64).reshape(K // 8, 8, N) << shifts[None, :, None]).sum(dim=1)
+    words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)  # [K/8, N]
+    s = scales.to(torch.float32)
+    zs = s * zeros.to(torch.float32)
+    return W4PackedCPU(_blocked(words), _blocked(s), _blocked(zs), group_size, perm)
+
+
+def w4_from_gptq(
+    qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor
+) -> W4PackedCPU:
+    """4-bit GPTQ tensors (see `packing`; g_idx int [K], act-order allowed when every group
+    has the same size) -> the kernel's layout. Raises ValueError if unsupported."""
+    q = unpack_gptq_qweight(qweight, 4)  # [K, N]
+    zeros = unpack_gptq_qzeros(qzeros, 4)  # [G, N], 1 added back
+    K = q.shape[0]
+    g_idx = g_idx.to(torch.int64)
+    group_size = K // scales.shape[0]
+    perm = torch.argsort(g_idx, stable=True)
+    if not torch.equal(g_idx[perm], torch.arange(K) // group_size):
+        raise ValueError("g_idx does not form groups of equal size")
+    if torch.equal(perm, torch.arange(K)):
+        return w4_from_codes(q, scales, zeros, group_size)
+    return w4_from_codes(q[perm], scales, zeros, group_size, perm.contiguous())
+
+
+def w4_from_awq(
+    qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, group_size: int
+) -> W4PackedCPU:
+    """AWQ gemm tensors (see `packing`) -> the kernel's layout. Raises ValueError if unsupported."""
+    q = unpack_awq_qweight(qweight)  # [K, N]
+    gs = q.shape[0] if group_size == -1 else group_size
+    return w4_from_codes(q, scales, unpack_awq_qzeros(qzeros), gs)
+
+
+def _library() -> ctypes.CDLL:
+    lib = load_library()
+    if lib is None:
+        raise RuntimeError("the CPU W4A16 kernel failed to compile")
+    return lib
+
+
+def _check(status: int, what: str) -> None:
+    if status:
+        raise ValueError(f"{what}: {STATUS.get(status, status)}")
+
+
+def w4_gemv(x: torch.Tensor, w: W4PackedCPU, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] (fp32/bf16/fp16, last dim contiguous) -> [M, N] in x's dtype, on the C++ loop."""
+    M, K = x.shape
+    if K != w.in_features or x.dtype not in X_DTYPES or x.stride(-1) != 1:
+        raise ValueError(f"x {x.dtype} {tuple(x.shape)} does not fit a W4 weight with K={K}")
+    N = w.out_features
+    y = torch.empty(M, N, dtype=x.dtype)
+    b = None if bias is None else bias.to(torch.float32).contiguous()
+    status = _library().qserve_w4_gemm(
+        x.data_ptr(), X_DTYPES[x.dtype], x.stride(0),
+        None if w.perm is None else w.perm.data_ptr(),
+        w.codes.data_ptr(), w.scales.data_ptr(), w.zs.data_ptr(),
+        None if b is None else b.data_ptr(), M, K, N, w.group_size,
+        y.data_ptr(), y.stride(0), torch.get_num_threads(),
+    )  # fmt: skip
+    _check(status, "w4_gemv")
+    return y
+
+
+def w4_dequantize_t(w: W4PackedCPU) -> torch.Tensor:
+    """W.T fp32 [K, N], input channels in the order the codes are stored (sorted by group for
+    act-order: multiply x[:, perm] by it)."""
+    out = torch.empty(w.in_features, w.out_features, dtype=torch.float32)
+    status = _library().qserve_w4_dequantize(
+        w.codes.data_ptr(), w.scales.data_ptr(), w.zs.data_ptr(),
+        w.in_features, w.out_features, w.group_size, out.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
+    _check(status, "w4_dequantize")
+    return out
+
+
+def w4_mm(x: torch.Tensor, w: W4PackedCPU, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] @ W.T (+ bias) -> [..., N] in x's dtype, computed in fp32."""
+    lead, K = x.shape[:-1], x.shape[-1]
+    x2 = x.reshape(-1, K)
+    if x2.shape[0] <= GEMV_MAX_ROWS:
+        out = w4_gemv(x2 if x2.stride(-1) == 1 else x2.contiguous(), w, bias)
+    else:
+        xs = x2 if w.perm is None else x2[:, w.perm]
+        out = xs.to(torch.float32) @ w4_dequantize_t(w)
+        if bias is not None:
+            out += bias.to(torch.float32)
+        out = out.to(x.dtype)
+    return out.reshape(*lead, w.out_features)

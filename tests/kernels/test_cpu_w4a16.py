@@ -1,0 +1,148 @@
+"""The C++ CPU W4A16 kernel (qserve.kernels.cpu_w4a16) against the torch references.
+
+Fresh random codes, zero points and scales (never zeros) in the GPTQ and AWQ layouts; the
+references dequantize in fp32 and multiply densely (`w4a16_ref`). Rows M cover the register
+loop (1, 3, 17: single row, several row tiles and a remainder) and the dequantize-then-GEMM path
+(64 > GEMV_MAX_ROWS); N covers 1 to 5 blocks of 8 outputs (every tail of the 4-block tile).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from qserve.kernels import cpu_w4a16, packing
+from qserve.kernels.w4a16_ref import awq_gemm_ref, gptq_gemm_ref
+
+# max |out - ref| / max |ref|: fp32 differs from the reference in summation order only; bf16
+# and fp16 round the output (and bf16 the input, the same for both sides) to 8 / 11 bits.
+TOL = {torch.float32: 2e-6, torch.bfloat16: 8e-3, torch.float16: 1e-3}
+ROWS = [1, 3, 17, 64]
+
+
+@pytest.fixture(autouse=True)
+def _built() -> None:
+    torch.set_num_threads(1)
+    if not cpu_w4a16.available():
+        pytest.skip("the C++ W4A16 kernel did not build here")
+
+
+def gptq_tensors(K: int, N: int, group: int, act_order: bool, sym: bool, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    gs = K if group == -1 else group
+    G = K // gs
+    q = torch.randint(0, 16, (K, N), generator=gen)
+    zeros = torch.full((G, N), 8) if sym else torch.randint(1, 16, (G, N), generator=gen)
+    scales = (torch.rand(G, N, generator=gen) * 0.02 + 0.001).half()
+    perm = torch.randperm(K, generator=gen) if act_order else None
+    g_idx = packing.gptq_g_idx(K, gs, perm)
+    return packing.pack_gptq_qweight(q, 4), packing.pack_gptq_qzeros(zeros, 4), scales, g_idx
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((out.float() - ref.float()).abs().max() / ref.float().abs().max())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("M", ROWS)
+@pytest.mark.parametrize(
+    ("K", "N", "group", "act_order", "sym"),
+    [
+        (128, 64, 32, False, False),
+        (128, 64, 32, True, False),
+        (192, 40, 64, True, True),  # 5 blocks: a 4-block tile and a 1-block tail
+        (256, 24, 128, False, True),  # 3 blocks
+        (96, 16, -1, False, False),  # per channel, 2 blocks
+        (72, 8, 24, False, False),  # a group torch's kernel does not take, 1 block
+    ],
+)
+def test_gptq_matches_reference(K, N, group, act_order, sym, M, dtype):
+    qweight, qzeros, scales, g_idx = gptq_tensors(K, N, group, act_order, sym, seed=K * N + M)
+    w = cpu_w4a16.w4_from_gptq(qweight, qzeros, scales, g_idx)
+    assert (w.perm is not None) == act_order
+    x = torch.randn(M, K).to(dtype)
+    bias = torch.randn(N)
+    out = cpu_w4a16.w4_mm(x, w, bias)
+    ref = gptq_gemm_ref(x, qweight, qzeros, scales.float(), g_idx, 4, bias)
+    assert out.shape == (M, N) and out.dtype == dtype
+    assert rel_err(out, ref) <= TOL[dtype]
+
+
+@pytest.mark.parametrize("M", ROWS)
+@pytest.mark.parametrize(("K", "N", "group"), [(128, 64, 32), (256, 48, 128), (64, 8, -1)])
+def test_awq_matches_reference(K, N, group, M):
+    gen = torch.Generator().manual_seed(M + K)
+    gs = K if group == -1 else group
+    q = torch.randint(0, 16, (K, N), generator=gen)
+    zeros = torch.randint(0, 16, (K // gs, N), generator=gen)
+    scales = (torch.rand(K // gs, N, generator=gen) * 0.02 + 0.001).half()
+    qweight, qzeros = packing.pack_awq_qweight(q), packing.pack_awq_qzeros(zeros)
+    w = cpu_w4a16.w4_from_awq(qweight, qzeros, scales, group)
+    x = torch.randn(M, K, dtype=torch.bfloat16)
+    out = cpu_w4a16.w4_mm(x, w)
+    ref = awq_gemm_ref(x, qweight, qzeros, scales.float(), group)
+    assert rel_err(out, ref) <= TOL[torch.bfloat16]
+
+
+def test_reference_is_plain_dense_math():
+    """The packed weight dequantizes to scale * (q - zero) per the GPTQ definition."""
+    K, N, gs = 64, 16, 32
+    qweight, qzeros, scales, g_idx = gptq_tensors(K, N, gs, True, False, seed=3)
+    w = cpu_w4a16.w4_from_gptq(qweight, qzeros, scales, g_idx)
+    q = packing.unpack_gptq_qweight(qweight, 4)
+    zeros = packing.unpack_gptq_qzeros(qzeros, 4)
+    g = g_idx.long()
+    dense = (scales.float()[g] * (q - zeros[g]).float()).t()  # [N, K], original channel order
+    torch.testing.assert_close(cpu_w4a16.w4_dequantize_t(w).t(), dense[:, w.perm])
+    x = torch.randn(3, K)
+    torch.testing.assert_close(cpu_w4a16.w4_mm(x, w), x @ dense.t(), rtol=1e-5, atol=1e-5)
+
+
+def test_strided_rows_and_leading_dims():
+    qweight, qzeros, scales, g_idx = gptq_tensors(64, 32, 32, False, False, seed=5)
+    w = cpu_w4a16.w4_from_gptq(qweight, qzeros, scales, g_idx)
+    x = torch.randn(2, 3, 128)[..., :64]  # rows 128 apart
+    out = cpu_w4a16.w4_mm(x, w)
+    ref = gptq_gemm_ref(x.reshape(-1, 64), qweight, qzeros, scales.float(), g_idx, 4)
+    assert out.shape == (2, 3, 32)
+    assert rel_err(out.reshape(-1, 32), ref) <= TOL[torch.float32]
+
+
+def test_threads_give_the_same_result():
+    qweight, qzeros, scales, g_idx = gptq_tensors(128, 96, 32, False, False, seed=9)
+    w = cpu_w4a16.w4_from_gptq(qweight, qzeros, scales, g_idx)
+    x = torch.randn(5, 128)
+    one = cpu_w4a16.w4_mm(x, w)
+    torch.set_num_threads(2)
+    torch.testing.assert_close(cpu_w4a16.w4_mm(x, w), one, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    ("K", "N", "group"), [(64, 12, 32), (60, 16, 20), (64, 16, 12)], ids=["N", "K", "group"]
+)
+def test_shapes_the_kernel_does_not_take_raise(K, N, group):
+    q = torch.randint(0, 16, (K, N))
+    G = K // group
+    with pytest.raises(ValueError, match="multiples of 8"):
+        cpu_w4a16.w4_from_codes(q, torch.rand(G, N), torch.full((G, N), 8), group)
+
+
+def test_wrong_input_width_raises():
+    qweight, qzeros, scales, g_idx = gptq_tensors(64, 16, 32, False, False, seed=1)
+    w = cpu_w4a16.w4_from_gptq(qweight, qzeros, scales, g_idx)
+    with pytest.raises(ValueError, match="does not fit"):
+        cpu_w4a16.w4_gemv(torch.randn(1, 72), w)
+
+
+def test_import_compiles_nothing():
+    code = (
+        "import sys\n"
+        "import qserve, qserve.model.quant\n"
+        "from qserve.kernels import cpu_w4a16 as c\n"
+        "assert c.load_library.cache_info().currsize == 0\n"
+        "assert 'torch.utils.cpp_extension' not in sys.modules\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -29,7 +29,7 @@ from qserve.quantize.rtn import (
 )
 from qserve.quantize.smoothquant import quantize_int8
 
-__all__ = ["accumulate_hessian", "gptq_w8_quantize", "gptq_quantize"]
+__all__ = ["accumulate_hessian", "gptq_w8_quantize", "gptq_quantize", "group_aware_order"]
 
 
 def accumulate_hessian(H: Tensor | None, n: int, X: Tensor) -> tuple[Tensor, int]:
@@ -120,11 +120,13 @@ def gptq_quantize(
     static_groups: bool = False,
     min_zero: int = 0,
     mse: bool = False,
+    act_group_aware: bool = False,
 ) -> QuantizedWeight:
     """Quantize W [N, K] given the Hessian H [K, K] of its inputs; Q in original column order.
 
     `mse`: each group's range comes from the MSE grid search (rtn.search_qparams) instead of
-    its min / max."""
+    its min / max. `act_group_aware` (ignored with desc_act or per-channel): visit whole groups
+    in group-aware order (see the module docstring)."""
     qparams = partial(search_qparams if mse else compute_qparams, bits=bits, sym=sym)
     W, H = _prepare(W, H)
     N, K = W.shape
@@ -139,14 +141,21 @@ def gptq_quantize(
         for g in range(G):
             scales[g], zeros[g] = qparams(W[:, g * gs : (g + 1) * gs], min_zero=min_zero)
 
+    group_aware = act_group_aware and not desc_act and group_size != -1
     perm = torch.arange(K, device=W.device)
     if desc_act:
         perm = torch.argsort(torch.diag(H), descending=True)
+    elif group_aware:
+        perm = group_aware_order(torch.diag(H), gs)
+    if desc_act or group_aware:
         W = W[:, perm]
         H = H[perm][:, perm]
     invperm = torch.argsort(perm)
-    # Group of the column visited at position i.
-    group_of_pos = perm // gs if fixed_groups else torch.arange(K, device=W.device) // gs
+    # Group of the column visited at position i: its own group when groups are the format's
+    # consecutive channels (fixed up front, or visited whole: group-aware), else the visiting
+    # order's (act-order).
+    keeps_groups = fixed_groups or group_aware
+    group_of_pos = perm // gs if keeps_groups else torch.arange(K, device=W.device) // gs
     Q = torch.zeros(N, K, dtype=torch.int32, device=W.device)
 
     def quantize(col: int, w: Tensor, ahead: Callable[[int], Tensor]) -> Tensor:
@@ -163,6 +172,17 @@ def gptq_quantize(
     return QuantizedWeight(
         Q[:, invperm].contiguous(), scales, zeros.to(torch.int32), g_idx, bits, group_size, sym
     )
+
+
+def group_aware_order(diag_h: Tensor, group_size: int) -> Tensor:
+    """Visiting order [K] of Group Aware Reordering: groups of `group_size` consecutive channels
+    by descending max diag(H), the channels inside each by descending diag(H) (ties stable)."""
+    G = diag_h.numel() // group_size
+    per_group = diag_h.reshape(G, group_size)
+    local = torch.argsort(per_group, dim=1, descending=True, stable=True)
+    order = torch.argsort(per_group.amax(dim=1), descending=True, stable=True)
+    base = torch.arange(G, device=diag_h.device)[:, None] * group_size
+    return (local + base)[order].reshape(-1)
 
 
 def gptq_w8_quantize(

@@ -225,8 +225,9 @@ class LlamaForCausalLM(nn.Module):
         self.tie_weights()
 
     def tie_weights(self) -> None:
-        """Share the embedding matrix with lm_head when the config says so."""
-        if self.config.tie_word_embeddings:
+        """Share the embedding matrix with lm_head when the config says so (and lm_head is a
+        plain linear: a quantized lm_head has its own tensors)."""
+        if self.config.tie_word_embeddings and type(self.lm_head) is nn.Linear:
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(

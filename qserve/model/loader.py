@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
+from torch import nn
 
 from qserve.errors import QServeError
 from qserve.model.config import ModelConfig
@@ -149,7 +150,7 @@ def read_state_dict(path: Path, dtype: torch.dtype, device: str = "cpu") -> dict
 
 def _assign_weights(model: LlamaForCausalLM, state: dict[str, torch.Tensor], source: str) -> None:
     expected = model.state_dict(keep_vars=True)  # meta tensors: names and shapes only
-    if model.config.tie_word_embeddings:
+    if model.config.tie_word_embeddings and isinstance(model.lm_head, nn.Linear):
         state.pop("lm_head.weight", None)  # some tied checkpoints store a copy: the embedding wins
         expected.pop("lm_head.weight")
     _check_names(set(expected), set(state), source)

@@ -63,10 +63,14 @@ class QuantScheme:
     ignore_substrings: tuple[str, ...] = ()  # AWQ's modules_to_not_convert (substring match)
     block_modules: tuple[str, ...] | None = None  # GPTQ modules_in_block_to_quantize
     kv_cache_scheme: bool = False  # compressed-tensors kv_cache_scheme: k/v scales expected
+    lm_head: bool = False  # GPTQ "lm_head": true (GPTQModel, vLLM): lm_head has the first scheme
 
     def for_module(self, name: str) -> LinearScheme | None:
-        """The scheme of linear `name`, or None when it stays dense (lm_head always does)."""
-        if name == "lm_head" or self._ignored(name):
+        """The scheme of linear `name`, or None when it stays dense (lm_head does unless the
+        checkpoint quantized it)."""
+        if name == "lm_head":
+            return self.groups[0][1] if self.lm_head and self.groups else None
+        if self._ignored(name):
             return None
         for targets, scheme in self.groups:
             if any(_matches(name, t) for t in targets):
@@ -128,8 +132,6 @@ def _parse_gptq(raw: dict[str, Any], source: str) -> QuantScheme:
     fmt = raw.get("checkpoint_format") or raw.get("format") or "gptq"
     if fmt != "gptq":
         raise _unsupported(source, f"GPTQ checkpoint_format {fmt!r}", "expected 'gptq' (v1)")
-    if raw.get("lm_head"):
-        raise _unsupported(source, "GPTQ with a quantized lm_head", "lm_head must stay dense")
     if raw.get("dynamic"):
         raise _unsupported(source, "GPTQModel per-module 'dynamic' overrides", "expected none")
     _check_pack_dtype(raw, source, "GPTQ")
@@ -139,7 +141,12 @@ def _parse_gptq(raw: dict[str, Any], source: str) -> QuantScheme:
         group_size=_group_size(raw.get("group_size", -1), source, "GPTQ"),
         desc_act=bool(raw.get("desc_act", False)),
     )
-    return QuantScheme("gptq", ((("Linear",), scheme),), block_modules=_block_modules(raw))
+    return QuantScheme(
+        "gptq",
+        ((("Linear",), scheme),),
+        block_modules=_block_modules(raw),
+        lm_head=bool(raw.get("lm_head", False)),
+    )
 
 
 def _check_pack_dtype(raw: dict[str, Any], source: str, method: str) -> None:

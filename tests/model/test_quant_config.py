@@ -35,6 +35,14 @@ def test_gptq():
     assert scheme.describe() == "gptq: gptq w4a16 g128 act-order"
 
 
+def test_gptq_with_a_quantized_lm_head():
+    raw = {"quant_method": "gptq", "bits": 4, "group_size": 64, "lm_head": True}
+    scheme = parse_quant_scheme(raw)
+    assert scheme.for_module("lm_head") == scheme.for_module("model.layers.0.mlp.up_proj")
+    raw["modules_in_block_to_quantize"] = [["self_attn.q_proj"]]
+    assert parse_quant_scheme(raw).for_module("lm_head") is not None
+
+
 def test_gptq_modules_in_block_to_quantize_leaves_the_others_dense():
     raw = {
         "quant_method": "gptq",
@@ -110,7 +118,6 @@ def test_kv_cache_scheme_and_vllm_fp8():
             {"quant_method": "gptq", "bits": 4, "checkpoint_format": "marlin"},
             "GPTQ checkpoint_format 'marlin' is not supported",
         ),
-        ({"quant_method": "gptq", "bits": 4, "lm_head": True}, "quantized lm_head"),
         ({"quant_method": "awq", "bits": 4, "version": "gemv"}, "AWQ version 'gemv'"),
         ({"quant_method": "awq", "bits": 4, "zero_point": False}, "AWQ without zero points"),
         ({"quant_method": "bitsandbytes"}, "quantization method 'bitsandbytes'"),

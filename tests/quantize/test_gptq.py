@@ -3,7 +3,12 @@ import torch
 
 from qserve.kernels.packing import gptq_g_idx
 from qserve.quantize.fp8 import dequantize_fp8, quantize_fp8
-from qserve.quantize.gptq import accumulate_hessian, gptq_quantize, gptq_w8_quantize
+from qserve.quantize.gptq import (
+    accumulate_hessian,
+    gptq_quantize,
+    gptq_w8_quantize,
+    group_aware_order,
+)
 from qserve.quantize.rtn import compute_qparams, quantize_codes, rtn_quantize, search_qparams
 from qserve.quantize.smoothquant import dequantize_int8, quantize_int8
 
@@ -68,6 +73,28 @@ def test_static_groups_keep_natural_g_idx() -> None:
     # Static group parameters are those of RTN on the unmodified weights.
     torch.testing.assert_close(q.scales, rtn_quantize(W, 4, 32, True).scales)
     assert _out_err(X, W, q.dequantize()) < _out_err(X, W, rtn_quantize(W, 4, 32).dequantize())
+
+
+def test_group_aware_order_keeps_groups_whole() -> None:
+    diag = torch.tensor([1.0, 5.0, 2.0, 0.5, 9.0, 3.0, 4.0, 0.1])  # groups of 2
+    # group maxima 5, 2, 9, 4 -> groups 2, 0, 3, 1; inside each, descending diag
+    assert group_aware_order(diag, 2).tolist() == [4, 5, 1, 0, 6, 7, 2, 3]
+
+
+def test_act_group_aware_keeps_consecutive_groups_and_beats_natural_order() -> None:
+    W, X, H = _layer(seed=4)
+    perm = torch.randperm(256, generator=torch.Generator().manual_seed(0))
+    X, H = X[:, perm], H[perm][:, perm]  # important channels scattered over K
+    W = W[:, perm]
+    natural = gptq_quantize(W, H, 4, 32, True)
+    gar = gptq_quantize(W, H, 4, 32, True, act_group_aware=True)
+    assert gar.g_idx.tolist() == [k // 32 for k in range(256)]  # no act-order permutation
+    assert _out_err(X, W, gar.dequantize()) < _out_err(X, W, natural.dequantize())
+    # desc_act takes precedence; per-channel has nothing to reorder
+    both = gptq_quantize(W, H, 4, 32, True, desc_act=True, act_group_aware=True)
+    assert torch.equal(both.Q, gptq_quantize(W, H, 4, 32, True, desc_act=True).Q)
+    chan = gptq_quantize(W, H, 4, -1, True, act_group_aware=True)
+    assert torch.equal(chan.Q, gptq_quantize(W, H, 4, -1, True).Q)
 
 
 def test_dead_columns_get_zero_weight() -> None:

@@ -6,9 +6,11 @@
     c  gptqmodel 7.6.0 GPTQ checkpoint  -> qserve, against gptqmodel's loader and transformers
     d  autoawq 0.2.9 AWQ checkpoint     -> qserve, against autoawq's loader and transformers
     e  the quantization_config each tool writes parses, or fails at load in one line
+    f  autoawq 0.2.9's CPU scale-search bug, and the workaround our benchmark and tests use
 
-qserve's side is its own model (`load_model`) over a paged KV cache, in fp32 (the dequantized
-path) and, for third-party checkpoints, in bf16 too (torch's int4 CPU kernel). Every comparison
+qserve's side is its own model (`load_model`) over a paged KV cache, in fp32 and, for
+third-party checkpoints, in bf16 too (4-bit layers on the C++ CPU kernel, or torch's int4 kernel
+where it did not build; fp32 without either: dequantized weights). Every comparison
 is on the logits of one 40-token prompt: err = max |ours - theirs| / max |theirs|. Tolerances, by
 what differs between the two sides (measured on this machine in brackets):
 
@@ -39,6 +41,7 @@ import torch
 
 from benchmarks import third_party
 from qserve.errors import QServeError
+from qserve.kernels import cpu_w4a16
 from qserve.model.loader import load_model
 from qserve.model.quant_config import parse_quant_scheme
 from qserve.quantize.calibration import calibration_windows, load_calibration_text
@@ -200,10 +203,12 @@ def gptqmodel_checkpoint(root: Path, calib_ids: torch.Tensor, desc_act: bool, sy
 
 
 def assert_bf16_path_matches(folder: Path, prompt: list[int]) -> None:
-    """qserve's bf16 path (torch's int4 kernel) on the same checkpoint, against its fp32 path."""
+    """qserve's bf16 path (the C++ kernel, or torch's int4 kernel where it did not build) on the
+    same checkpoint, against its fp32 path."""
     got, paths = ours(folder, prompt, torch.bfloat16)
     err = rel_err(got, ours(folder, prompt)[0])
-    assert paths == {**dict.fromkeys(paths, "cpu-int4pack"), "lm_head": "dense (not quantized)"}
+    path = "cpu-w4a16" if cpu_w4a16.available() else "cpu-int4pack"
+    assert paths == {**dict.fromkeys(paths, path), "lm_head": "dense (not quantized)"}
     assert err <= BF16, f"bf16 against fp32: relative logits error {err:.2e}"
 
 
@@ -271,6 +276,33 @@ def test_autoawq_checkpoint_loads_in_qserve(awq, root, calib_ids, prompt, monkey
     err = rel_err(got, theirs)
     assert err <= SAME_FP32, f"against transformers: relative logits error {err:.2e}"
     assert_bf16_path_matches(folder, prompt)
+
+
+def scale_search_changes_weights(quantizer_cls: type) -> bool:
+    """Run autoawq's per-linear scale search once on CPU; did it leave the weights changed?"""
+    quantizer = quantizer_cls.__new__(quantizer_cls)  # only what `_compute_best_scale` reads
+    quantizer.__dict__.update(
+        w_bit=4, group_size=32, zero_point=True, duo_scaling=True,
+        max_chunk_memory=2**30, n_parallel_calib_samples=None,
+    )  # fmt: skip
+    gen = torch.Generator().manual_seed(0)
+    linear = torch.nn.Linear(64, 32, bias=False)
+    with torch.no_grad():  # input channels of different sizes, as in trained weights
+        linear.weight.copy_(torch.randn(32, 64, generator=gen) * torch.rand(64, generator=gen) * 4)
+        before = linear.weight.clone()
+        x = torch.randn(1, 16, 64, generator=gen)
+        x_mean = x.abs().mean(dim=(0, 1))
+        w_mean = linear.weight.abs().mean(dim=0)
+        quantizer._compute_best_scale(x, w_mean, x_mean, linear, [linear], linear(x))
+    return not torch.equal(linear.weight, before)
+
+
+def test_autoawq_cpu_scale_search_bug_is_worked_around(awq):
+    """autoawq 0.2.9 on CPU leaves the weights multiplied by its first grid point's scales
+    (see `third_party.cpu_safe_quantizer`); the quantizer our benchmark and tests use does not."""
+    upstream = importlib.import_module("awq.quantize.quantizer").AwqQuantizer
+    assert scale_search_changes_weights(upstream)
+    assert not scale_search_changes_weights(third_party.cpu_safe_quantizer())
 
 
 # ------------------------------------------------------------- configs as the tools write them

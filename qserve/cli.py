@@ -405,6 +405,13 @@ def eval_command(
     default=None,
     help="Calibrate block by block on cpu, cuda or cuda:N. [default: cuda if available, else cpu]",
 )
+@click.option(
+    "--offload-dir",
+    default=None,
+    type=click.Path(file_okay=False),
+    help="Keep decoder blocks on disk (read one at a time from the checkpoint's safetensors), "
+    "so models larger than memory quantize; a temporary subfolder is removed at the end.",
+)
 @click.option("--overwrite", is_flag=True, help="Replace a non-empty output folder.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
 @click.option("--recipe", default=None, help="Recipe name or YAML path; explicit flags win.")

@@ -11,6 +11,14 @@ its inputs X_b and what is computed from them (Hessians, statistics, the quantiz
 on the working device (`device`: cpu, cuda, cuda:N), so a model larger than device memory still
 fits. The quantized tensors come back to the CPU after each block.
 
+With an offload folder (`offload_dir`) the model is not loaded whole: its blocks stay on the meta
+device and block b's weights are read from the checkpoint's safetensors just before it is
+calibrated (`qserve.quantize.offload`). Once quantized, block b's checkpoint tensors (packed
+quantized linears, its other tensors in the output dtype, KV scales) go to a file in the offload
+folder and the block goes back to meta; export copies those files into the checkpoint one tensor
+at a time. The CPU then holds about one block plus the embeddings, lm_head and activations, and the
+checkpoint comes out the same, bit for bit.
+
 With an FP8 `kv_cache_dtype`, the keys and values block b's attention writes into its KV cache
 (after RoPE) are observed while X_{b+1} is computed, i.e. with the quantized weights the engine
 will serve, and become per-tensor k_scale / v_scale (`qserve.quantize.kv_scales`).
@@ -36,10 +44,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import save_file
 from torch import Tensor, nn
 
 from qserve.errors import QServeError
-from qserve.quantize import export
+from qserve.quantize import export, offload
 from qserve.quantize.arch import ArchSpec, ScaleMapping, arch_spec
 from qserve.quantize.awq import rescale_stats, search_clip, search_scale
 from qserve.quantize.calibration import calibration_windows, load_calibration_text
@@ -63,6 +72,7 @@ __all__ = [
     "QuantizeSettings",
     "W8Weight",
     "BlockResults",
+    "BlockOffload",
     "quantize_model",
     "quantize_blocks",
     "resolve_device",
@@ -153,6 +163,10 @@ class BlockResults:
     # attention module (model.layers.N.self_attn) -> (max |K|, max |V|), fp32 scalars
     kv_absmax: dict[str, tuple[Tensor, Tensor]] = dataclasses.field(default_factory=dict)
 
+    def update(self, other: BlockResults) -> None:
+        self.linears.update(other.linears)
+        self.kv_absmax.update(other.kv_absmax)
+
 
 # --------------------------------------------------------------------------------- public API
 
@@ -182,6 +196,7 @@ def quantize_model(
     device: str | None = None,
     overwrite: bool = False,
     progress: Progress | None = None,
+    offload_dir: str | Path | None = None,
 ) -> Path:
     """Quantize the HF model folder `model_path` into a checkpoint folder `output_dir`.
 
@@ -197,9 +212,12 @@ def quantize_model(
     `kv_cache_dtype` fp8_e4m3 | fp8_e5m2: also write calibrated k_scale / v_scale per attention
     layer (every method then needs calibration data); "auto" or None: no KV scales.
     `device`: where each block is calibrated and quantized (cpu, cuda, cuda:N; default cuda when
-    available, else cpu). Returns the output folder.
+    available, else cpu). `offload_dir`: keep the decoder blocks on disk instead of in memory,
+    reading each from the checkpoint's safetensors when it is calibrated; a temporary folder
+    inside `offload_dir` (created if missing) holds the quantized blocks until export and is
+    removed at the end, even on error. Returns the output folder.
     """
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer
 
     settings = QuantizeSettings(
         method=method,
@@ -224,30 +242,56 @@ def quantize_model(
         raise QServeError(f"{model_path} is not a model folder (no config.json)", param="model")
     spec = arch_spec(AutoConfig.from_pretrained(model_path).model_type)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
-    check_group_size(model, spec, settings)
+    loaded = _calibration_model(model_path, spec, offload_dir, output_dir, settings, out_dtype)
+    with loaded as (model, blocks):
+        check_group_size(model, spec, settings)
 
-    searched = settings.searches_scales
-    replay = searched and scales_path is not None and Path(scales_path).is_file()
-    scales = ScaleResult.load(scales_path) if replay else ScaleResult()
-    if replay:
-        scales.apply(model, settings.group_size)
-    input_ids = None
-    if settings.needs_calibration(replay):
-        text = load_calibration_text(calib)
-        input_ids = calibration_windows(tokenizer, text, num_samples, seq_len)
-    results = quantize_blocks(
-        model, spec, settings, input_ids, None if replay else scales, progress, working_device
-    )
-    if searched and scales_path is not None and not replay:
-        scales.save(scales_path)
+        searched = settings.searches_scales
+        replay = searched and scales_path is not None and Path(scales_path).is_file()
+        scales = ScaleResult.load(scales_path) if replay else ScaleResult()
+        if replay and blocks is None:
+            scales.apply(model, settings.group_size)
+        elif replay:
+            blocks.set_replay(scales)
+        input_ids = None
+        if settings.needs_calibration(replay):
+            text = load_calibration_text(calib)
+            input_ids = calibration_windows(tokenizer, text, num_samples, seq_len)
+        results = quantize_blocks(
+            model, spec, settings, input_ids, None if replay else scales, progress,
+            working_device, blocks,
+        )  # fmt: skip
+        if searched and scales_path is not None and not replay:
+            scales.save(scales_path)
 
-    with export.staging_dir(output_dir, overwrite) as tmp:
-        _write(tmp, model, tokenizer, spec, results, settings, out_dtype)
-        if searched:  # replayable with --scales; a subfolder, so no loader takes it for weights
-            (tmp / SEARCH_FILE).parent.mkdir()
-            scales.save(tmp / SEARCH_FILE)
+        with export.staging_dir(output_dir, overwrite) as tmp:
+            _write(tmp, model, tokenizer, spec, results, settings, out_dtype, blocks)
+            if searched:  # replayable with --scales; a subfolder, so no loader takes it for weights
+                (tmp / SEARCH_FILE).parent.mkdir()
+                scales.save(tmp / SEARCH_FILE)
     return Path(output_dir)
+
+
+@contextlib.contextmanager
+def _calibration_model(
+    model_path: str | Path,
+    spec: ArchSpec,
+    offload_dir: str | Path | None,
+    output_dir: str | Path,
+    settings: QuantizeSettings,
+    dtype: torch.dtype,
+) -> Iterator[tuple[nn.Module, BlockOffload | None]]:
+    """The fp32 model on the CPU: whole, or (with `offload_dir`) without its blocks' weights,
+    with the BlockOffload that reads and writes them, in a temporary folder removed after."""
+    from transformers import AutoModelForCausalLM
+
+    if offload_dir is None:
+        yield AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval(), None
+        return
+    checkpoint = offload.SafetensorsCheckpoint(model_path)  # refuses .bin-only before any work
+    with offload.offload_folder(offload_dir, output_dir) as folder:
+        model = offload.empty_model(model_path, checkpoint, spec.blocks)
+        yield model, BlockOffload(model, spec.blocks, checkpoint, folder, settings, dtype)
 
 
 def resolve_device(device: str | None = None) -> torch.device:
@@ -294,13 +338,18 @@ def _write(
     results: BlockResults,
     settings: QuantizeSettings,
     dtype: torch.dtype,
+    blocks: BlockOffload | None = None,
 ) -> None:
-    """The checkpoint folder: weights, config with quantization_config, tokenizer files."""
-    tensors, qconfig, extra = _export_tensors(model, spec, results, settings, dtype)
+    """The checkpoint folder: weights, config with quantization_config, tokenizer files.
+    Offloaded (`blocks`), the blocks' tensors are copied from their files in the offload folder."""
+    if blocks is None:
+        tensors, qconfig, extra = _export_tensors(model, spec, results, settings, dtype)
+    else:
+        tensors, qconfig, extra = _export_outside_blocks(model, spec, blocks, settings, dtype)
     config = model.config.to_dict()
     config["quantization_config"] = qconfig
     config["dtype"] = str(dtype).removeprefix("torch.")
-    export.write_checkpoint(folder, tensors, config, extra)
+    export.write_checkpoint(folder, tensors, config, extra, blocks.files if blocks else ())
     tokenizer.save_pretrained(folder)
     if getattr(model, "generation_config", None) is not None:
         model.generation_config.save_pretrained(folder)
@@ -315,6 +364,7 @@ def quantize_blocks(
     scales: ScaleResult | None = None,
     progress: Progress | None = None,
     device: torch.device | str = "cpu",
+    offloaded: BlockOffload | None = None,
 ) -> BlockResults:
     """Quantize every block of `model` (on the CPU) in place, one at a time on `device`: weights
     become their dequantized values; the quantized tensors (and, with an FP8 kv_cache_dtype, the
@@ -322,6 +372,8 @@ def quantize_blocks(
 
     `input_ids` [S, T] is None for methods that need no calibration. `scales` collects the
     AWQ / SmoothQuant search results; None skips the search (scales already applied, or none).
+    `offloaded`: the blocks are on meta; each is read before and written to the offload folder
+    after it is quantized (the results then stay there: the returned ones are empty).
     """
     device = torch.device(device)
     blocks: nn.ModuleList = model.get_submodule(spec.blocks)
@@ -331,13 +383,20 @@ def quantize_blocks(
     results = BlockResults()
     start = time.monotonic()
     for b, block in enumerate(blocks):
+        prefix = f"{spec.blocks}.{b}."
+        if offloaded is not None:
+            offloaded.load(block, prefix)
         with _working_device(block, device):
             X, kwargs = _to_device(X, device), _to_device(kwargs, device)
-            ctx = _BlockContext(block, f"{spec.blocks}.{b}.", spec, settings, X, kwargs)
-            results.linears.update(_to_device(_quantize_block(ctx, scales), "cpu"))
+            ctx = _BlockContext(block, prefix, spec, settings, X, kwargs)
+            done = BlockResults(_to_device(_quantize_block(ctx, scales), "cpu"))
             X, kv_absmax = _block_outputs(ctx, last=b == len(blocks) - 1)
             if kv_absmax is not None:
-                results.kv_absmax[ctx.prefix + spec.attention] = _to_device(kv_absmax, "cpu")
+                done.kv_absmax[prefix + spec.attention] = _to_device(kv_absmax, "cpu")
+        if offloaded is None:
+            results.update(done)
+        else:
+            offloaded.save(block, prefix, done)
         if progress is not None:
             elapsed = time.monotonic() - start
             progress(b + 1, len(blocks), elapsed / (b + 1) * (len(blocks) - b - 1))
@@ -410,6 +469,71 @@ def _cache_argument(block: nn.Module) -> str:
         if name in parameters:
             return name
     raise QServeError(f"{type(block).__name__} takes no KV cache: cannot calibrate KV scales")
+
+
+# ------------------------------------------------------------------------------ offloaded blocks
+
+
+@dataclasses.dataclass
+class BlockOffload:
+    """The decoder blocks of `model` (under `blocks`) kept on disk: each is read from
+    `checkpoint` before it is quantized, then written to `folder` and put back on meta.
+
+    A finished block leaves one file in `folder` holding exactly its tensors of the output
+    checkpoint (`_checkpoint_tensors` of the block); `quantized` names its quantized linears.
+    `replay`: a saved AWQ / SmoothQuant search, folded into each block as it is read.
+    """
+
+    model: nn.Module
+    blocks: str
+    checkpoint: offload.SafetensorsCheckpoint
+    folder: Path
+    settings: QuantizeSettings
+    dtype: torch.dtype
+    replay: ScaleResult | None = None
+    files: list[Path] = dataclasses.field(default_factory=list)
+    quantized: set[str] = dataclasses.field(default_factory=set)
+
+    def set_replay(self, scales: ScaleResult) -> None:
+        """Check `scales` against the model now; fold what lies outside the blocks now, the
+        rest block by block (folds of different blocks touch different tensors)."""
+        modules = dict(self.model.named_modules())
+        missing = [n for n in [*scales.scales, *scales.clips] if n not in modules]
+        if missing:
+            raise QServeError(f"scales do not match the model: it has no module {missing[0]}")
+        outside = _select(scales, lambda name: not name.startswith(self.blocks + "."))
+        outside.apply(self.model, self.settings.group_size)
+        self.replay = scales
+
+    def load(self, block: nn.Module, prefix: str) -> None:
+        """Read the block's tensors (fp32) from the checkpoint, and fold the replayed search."""
+        tensors = self.checkpoint.read(prefix + n for n in block.state_dict())
+        offload.materialize(block, {n.removeprefix(prefix): t for n, t in tensors.items()})
+        if self.replay is not None:
+            mine = _select(self.replay, lambda name: name.startswith(prefix))
+            mine.apply(self.model, self.settings.group_size)
+
+    def save(self, block: nn.Module, prefix: str, done: BlockResults) -> None:
+        """Write the block's checkpoint tensors to the offload folder and free the block."""
+        state = {k: v.detach() for k, v in block.state_dict(prefix=prefix).items()}
+        tensors = _checkpoint_tensors(state, done, self.settings, self.dtype)
+        path = self.folder / f"{prefix.rstrip('.')}.safetensors"
+        try:
+            save_file({k: v.contiguous() for k, v in tensors.items()}, str(path))
+        except OSError as e:
+            raise QServeError(f"cannot write {path}: {e.strerror or e}", "offload_dir") from None
+        self.files.append(path)
+        self.quantized.update(done.linears)
+        offload.release(block)
+
+
+def _select(scales: ScaleResult, keep: Callable[[str], bool]) -> ScaleResult:
+    """The entries of `scales` whose module name `keep` accepts, in their order."""
+    return ScaleResult(
+        scales={k: v for k, v in scales.scales.items() if keep(k)},
+        linears={k: v for k, v in scales.linears.items() if keep(k)},
+        clips={k: v for k, v in scales.clips.items() if keep(k)},
+    )
 
 
 # ------------------------------------------------------------------------- one block per method
@@ -678,6 +802,15 @@ def _export_tensors(
     state = {k: v.detach() for k, v in model.state_dict().items()}
     if getattr(model.config, "tie_word_embeddings", False):
         state.pop("lm_head.weight", None)
+    tensors = _checkpoint_tensors(state, results, s, dtype)
+    return tensors, *_quantization_config(model, spec, set(results.linears), s)
+
+
+def _checkpoint_tensors(
+    state: dict[str, Tensor], results: BlockResults, s: QuantizeSettings, dtype: torch.dtype
+) -> dict[str, Tensor]:
+    """The checkpoint's tensors for the float `state` (cast to `dtype`) and the `results`
+    quantized from it: a quantized linear's weight becomes the tensors of its format."""
     tensors = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
     to_tensors = {
         "rtn": export.gptq_tensors,
@@ -690,7 +823,23 @@ def _export_tensors(
     for attention, (k_absmax, v_absmax) in results.kv_absmax.items():
         k_scale, v_scale = (kv_scale(m, s.kv_cache_dtype) for m in (k_absmax, v_absmax))
         tensors.update(export.kv_scale_tensors(attention, k_scale, v_scale))
-    return tensors, *_quantization_config(model, spec, set(results.linears), s)
+    return tensors
+
+
+def _export_outside_blocks(
+    model: nn.Module,
+    spec: ArchSpec,
+    blocks: BlockOffload,
+    s: QuantizeSettings,
+    dtype: torch.dtype,
+) -> tuple[dict[str, Tensor], dict[str, Any], dict[str, dict[str, Any]]]:
+    """`_export_tensors` when the blocks are offloaded: the tensors outside the blocks (the
+    blocks' own are in `blocks.files`) and the configs."""
+    state = {k: v.detach() for k, v in model.state_dict().items() if not v.is_meta}
+    if getattr(model.config, "tie_word_embeddings", False):
+        state.pop("lm_head.weight", None)
+    tensors = _checkpoint_tensors(state, BlockResults(), s, dtype)
+    return tensors, *_quantization_config(model, spec, blocks.quantized, s)
 
 
 def _quantization_config(

@@ -344,6 +344,12 @@ def eval_command(
 @click.option("--desc-act", is_flag=True, help="GPTQ act-order (columns by descending H diag).")
 @click.option("--mse", is_flag=True, help="GPTQ: MSE grid search of each group's range.")
 @click.option(
+    "--act-group-aware/--no-act-group-aware",
+    default=True,
+    show_default=True,
+    help="GPTQ without --desc-act: visit whole groups by importance (GPTQModel's default).",
+)
+@click.option(
     "--damp",
     default=0.01,
     show_default=True,

@@ -70,6 +70,7 @@ class Quantize(_Section):
     damp: float | None = Field(None, ge=0, lt=1)
     static_groups: bool | None = None
     mse: bool | None = None
+    act_group_aware: bool | None = None
     calib: str | None = None  # .txt / .jsonl; None: the bundled text
     num_samples: int | None = Field(None, ge=1)
     seq_len: int | None = Field(None, ge=16)  # as --seq-len
@@ -263,6 +264,7 @@ _OPTION_METHODS = {
     "damp": ("gptq",),
     "static_groups": ("gptq",),
     "mse": ("gptq",),
+    "act_group_aware": ("gptq",),
     "sym": ("rtn", "gptq"),
     "smooth_alpha": ("int8",),
     "weight_strategy": ("int8", "fp8"),

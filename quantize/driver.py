@@ -95,6 +95,7 @@ class QuantizeSettings:
     damp: float = 0.01
     static_groups: bool = False
     mse: bool = False  # gptq: MSE grid search of each group's range
+    act_group_aware: bool = True  # gptq without desc_act: group-aware order (GPTQModel's default)
     ignore: tuple[str, ...] = ("lm_head",)
     smooth_alpha: float = 0.5  # SmoothQuant; <= 0 turns smoothing off
     weight_strategy: str = "channel"  # int8 / fp8: channel | tensor
@@ -182,6 +183,7 @@ def quantize_model(
     damp: float = 0.01,
     static_groups: bool = False,
     mse: bool = False,
+    act_group_aware: bool = True,
     calib: str | Path | None = None,
     num_samples: int = 128,
     seq_len: int = 512,
@@ -207,6 +209,8 @@ def quantize_model(
     search result is saved, or, if the file exists, replayed from without calibration; the
     result is also saved in the checkpoint as SEARCH_FILE.
     `mse` (gptq): search each group's range (GPTQ's MSE grid) instead of taking min / max.
+    `act_group_aware` (gptq without desc_act): visit whole groups in Group Aware Reordering
+    order (GPTQModel's default); the checkpoint keeps consecutive groups (no g_idx permutation).
     `gptq_weights` (int8, fp8): round the weights with GPTQ's error feedback instead of to
     nearest (needs calibration data; same scales and format).
     `kv_cache_dtype` fp8_e4m3 | fp8_e5m2: also write calibrated k_scale / v_scale per attention
@@ -228,6 +232,7 @@ def quantize_model(
         damp=damp,
         static_groups=static_groups,
         mse=mse,
+        act_group_aware=act_group_aware,
         ignore=tuple(ignore),
         smooth_alpha=smooth_alpha,
         weight_strategy=weight_strategy,
@@ -579,7 +584,7 @@ def _gptq_block(ctx: _BlockContext) -> dict[str, QuantizedWeight]:
             qw = gptq_quantize(
                 W, H, s.bits, s.group_size, s.sym, s.damp,
                 desc_act=s.desc_act, static_groups=s.static_groups, min_zero=s.min_zero,
-                mse=s.mse,
+                mse=s.mse, act_group_aware=s.act_group_aware,
             )  # fmt: skip
             out[n] = _set_weight(ctx.linear(n), qw)
     return out

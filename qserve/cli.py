@@ -371,6 +371,11 @@ def eval_command(
     help="Module name (or re:REGEX) left unquantized; repeatable.",
 )
 @click.option(
+    "--quantize-lm-head",
+    is_flag=True,
+    help="rtn/gptq: quantize lm_head too (RTN, same bits and groups; untied from the embeddings).",
+)
+@click.option(
     "--smooth-alpha", default=0.5, show_default=True, type=float, help="SmoothQuant alpha (int8)."
 )
 @click.option(

@@ -96,6 +96,7 @@ class QuantizeSettings:
     static_groups: bool = False
     mse: bool = False  # gptq: MSE grid search of each group's range
     act_group_aware: bool = True  # gptq without desc_act: group-aware order (GPTQModel's default)
+    quantize_lm_head: bool = False  # rtn / gptq: lm_head too, rounded to nearest ("lm_head": true)
     ignore: tuple[str, ...] = ("lm_head",)
     smooth_alpha: float = 0.5  # SmoothQuant; <= 0 turns smoothing off
     weight_strategy: str = "channel"  # int8 / fp8: channel | tensor
@@ -117,6 +118,11 @@ class QuantizeSettings:
             raise QServeError("weight_strategy must be 'channel' or 'tensor'", "weight_strategy")
         if self.activation_scheme not in ("dynamic", "static"):
             raise QServeError("activation_scheme must be 'dynamic' or 'static'")
+        if self.quantize_lm_head and m not in ("rtn", "gptq"):
+            raise QServeError(
+                f"quantize_lm_head is supported for rtn and gptq (the GPTQ format), not {m}",
+                "quantize_lm_head",
+            )
         if not 0 <= self.damp < 1:
             raise QServeError(f"damp must be in [0, 1), got {self.damp}", "damp")
         check_kv_cache_dtype(self.kv_cache_dtype)
@@ -184,6 +190,7 @@ def quantize_model(
     static_groups: bool = False,
     mse: bool = False,
     act_group_aware: bool = True,
+    quantize_lm_head: bool = False,
     calib: str | Path | None = None,
     num_samples: int = 128,
     seq_len: int = 512,
@@ -211,6 +218,9 @@ def quantize_model(
     `mse` (gptq): search each group's range (GPTQ's MSE grid) instead of taking min / max.
     `act_group_aware` (gptq without desc_act): visit whole groups in Group Aware Reordering
     order (GPTQModel's default); the checkpoint keeps consecutive groups (no g_idx permutation).
+    `quantize_lm_head` (rtn, gptq): lm_head is quantized too, by rounding to nearest with the same
+    bits and groups (untied from the embeddings, which stay in floating point); the config says
+    "lm_head": true, as GPTQModel writes it and vLLM reads it.
     `gptq_weights` (int8, fp8): round the weights with GPTQ's error feedback instead of to
     nearest (needs calibration data; same scales and format).
     `kv_cache_dtype` fp8_e4m3 | fp8_e5m2: also write calibrated k_scale / v_scale per attention
@@ -233,6 +243,7 @@ def quantize_model(
         static_groups=static_groups,
         mse=mse,
         act_group_aware=act_group_aware,
+        quantize_lm_head=quantize_lm_head,
         ignore=tuple(ignore),
         smooth_alpha=smooth_alpha,
         weight_strategy=weight_strategy,
@@ -268,6 +279,8 @@ def quantize_model(
         )  # fmt: skip
         if searched and scales_path is not None and not replay:
             scales.save(scales_path)
+        if settings.quantize_lm_head:
+            results.linears["lm_head"] = _quantize_lm_head(model, settings)
 
         with export.staging_dir(output_dir, overwrite) as tmp:
             _write(tmp, model, tokenizer, spec, results, settings, out_dtype, blocks)
@@ -350,7 +363,9 @@ def _write(
     if blocks is None:
         tensors, qconfig, extra = _export_tensors(model, spec, results, settings, dtype)
     else:
-        tensors, qconfig, extra = _export_outside_blocks(model, spec, blocks, settings, dtype)
+        tensors, qconfig, extra = _export_outside_blocks(
+            model, spec, blocks, results, settings, dtype
+        )
     config = model.config.to_dict()
     config["quantization_config"] = qconfig
     config["dtype"] = str(dtype).removeprefix("torch.")
@@ -835,16 +850,35 @@ def _export_outside_blocks(
     model: nn.Module,
     spec: ArchSpec,
     blocks: BlockOffload,
+    results: BlockResults,
     s: QuantizeSettings,
     dtype: torch.dtype,
 ) -> tuple[dict[str, Tensor], dict[str, Any], dict[str, dict[str, Any]]]:
     """`_export_tensors` when the blocks are offloaded: the tensors outside the blocks (the
-    blocks' own are in `blocks.files`) and the configs."""
+    blocks' own are in `blocks.files`; `results` holds a quantized lm_head, if any) and the
+    configs."""
     state = {k: v.detach() for k, v in model.state_dict().items() if not v.is_meta}
     if getattr(model.config, "tie_word_embeddings", False):
         state.pop("lm_head.weight", None)
-    tensors = _checkpoint_tensors(state, BlockResults(), s, dtype)
-    return tensors, *_quantization_config(model, spec, blocks.quantized, s)
+    tensors = _checkpoint_tensors(state, results, s, dtype)
+    return tensors, *_quantization_config(model, spec, blocks.quantized | set(results.linears), s)
+
+
+@torch.no_grad()
+def _quantize_lm_head(model: nn.Module, s: QuantizeSettings) -> QuantizedWeight:
+    """RTN of lm_head [vocab, hidden], untied from the input embeddings first (those stay in
+    floating point; the config then says tie_word_embeddings false)."""
+    head = model.get_output_embeddings()
+    if getattr(model.config, "tie_word_embeddings", False):
+        head.weight = nn.Parameter(head.weight.detach().clone(), requires_grad=False)
+        model.config.tie_word_embeddings = False
+    K = head.weight.shape[1]
+    if s.group_size != -1 and K % s.group_size:
+        raise QServeError(
+            f"group_size {s.group_size} does not divide lm_head's {K} input features",
+            param="group_size",
+        )
+    return _set_weight(head, rtn_quantize(head.weight, s.bits, s.group_size, s.sym, s.min_zero))
 
 
 def _quantization_config(
@@ -868,6 +902,8 @@ def _quantization_config(
         s.bits, s.group_size, s.sym, s.desc_act and gptq, s.damp, s.static_groups and gptq,
         true_sequential=gptq,
     )  # fmt: skip
+    if "lm_head" in quantized:
+        qconfig["lm_head"] = True
     block0 = f"{spec.blocks}.0."
     if any(n.startswith(block0) for n in skipped):
         # optimum/GPTQModel's way of naming the linears that carry quantized tensors

@@ -298,3 +298,40 @@ def test_ignored_linears_are_named_in_the_configs(tiny_llama: Path, tmp_path: Pa
         ["mlp.gate_proj", "mlp.up_proj"],
         ["mlp.down_proj"],
     ]
+
+
+@pytest.mark.parametrize("offload", [False, True], ids=["in-memory", "offload"])
+@pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
+def test_quantize_lm_head(tie: bool, offload: bool, tmp_path: Path) -> None:
+    from qserve.kernels.packing import dequantize_gptq
+    from qserve.model.loader import load_model
+    from qserve.model.quant import QuantLinear
+
+    base = make_tiny_model(tmp_path / "base", tie=tie)
+    out = tmp_path / "q"
+    offload_dir = tmp_path / "offload" if offload else None
+    quantize_model(
+        base, out, method="rtn", group_size=32, quantize_lm_head=True, offload_dir=offload_dir
+    )
+    sd = _tensors(out)
+    config = json.loads((out / "config.json").read_text())
+    assert "lm_head.weight" not in sd and sd["lm_head.qweight"].shape == (128 // 8, 320)
+    assert config["tie_word_embeddings"] is False
+    assert config["quantization_config"]["lm_head"] is True
+    # the input embeddings stay in floating point, untouched by lm_head's rounding
+    embed = load_file(str(base / "model.safetensors"))["model.embed_tokens.weight"]
+    assert torch.equal(sd["model.embed_tokens.weight"], embed.to(torch.float16))
+    model, _ = load_model(out, torch.float32)
+    assert isinstance(model.lm_head, QuantLinear)
+    hidden = torch.randn(3, 128)
+    head = dequantize_gptq(
+        sd["lm_head.qweight"], sd["lm_head.qzeros"], sd["lm_head.scales"].float(),
+        sd["lm_head.g_idx"], 4,
+    )  # fmt: skip
+    want = hidden @ head.t()
+    torch.testing.assert_close(model.compute_logits(hidden), want, rtol=1e-5, atol=1e-5)
+
+
+def test_quantize_lm_head_needs_the_gptq_format(tiny_llama: Path, tmp_path: Path) -> None:
+    with pytest.raises(QServeError, match="quantize_lm_head is supported for rtn and gptq"):
+        quantize_model(tiny_llama, tmp_path / "q", method="awq", quantize_lm_head=True)

@@ -181,7 +181,7 @@ def w4_dequantize_t(w: W4PackedCPU) -> torch.Tensor:
 def w4_mm(x: torch.Tensor, w: W4PackedCPU, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] @ W.T (+ bias) -> [..., N] in x's dtype, computed in fp32."""
     lead, K = x.shape[:-1], x.shape[-1]
-    x2 = x.reshape(-1, K)
+    x2 = x if x.dim() == 2 else x.reshape(-1, K)
     if x2.shape[0] <= GEMV_MAX_ROWS:
         out = w4_gemv(x2 if x2.stride(-1) == 1 else x2.contiguous(), w, bias)
     else:
@@ -190,4 +190,4 @@ def w4_mm(x: torch.Tensor, w: W4PackedCPU, bias: torch.Tensor | None = None) -> 
         if bias is not None:
             out += bias.to(torch.float32)
         out = out.to(x.dtype)
-    return out.reshape(*lead, w.out_features)
+    return out if x.dim() == 2 else out.reshape(*lead, w.out_features)

@@ -40,6 +40,7 @@ import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -355,7 +356,11 @@ def log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def measure(args: argparse.Namespace) -> dict[str, Any]:
+def measure(
+    args: argparse.Namespace, on_row: Callable[[dict[str, Any]], None] | None = None
+) -> dict[str, Any]:
+    """Every row in turn; `on_row` gets the summary so far after each (a long run that dies
+    keeps its finished rows)."""
     torch.set_num_threads(args.threads)
     model = resolve_model(args.model)
     ids = eval_tokens(model)
@@ -367,7 +372,17 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         for name in names:
             method = with_group_size(METHODS[name], args.group_size)
             rows.append(run_method(model, method, ids, Path(tmp), args))
-            log(f"  ppl {rows[-1].perplexity:.3f} ({rows[-1].path})")
+            r = rows[-1]
+            quant = "-" if r.quant_seconds is None else f"{r.quant_seconds:.0f} s"
+            log(f"  ppl {r.perplexity:.3f} ({r.path}), quantization {quant}")
+            if on_row is not None:
+                on_row(summarize(args, ids, names, rows))
+    return summarize(args, ids, names, rows)
+
+
+def summarize(
+    args: argparse.Namespace, ids: Any, names: list[str], rows: list[Row]
+) -> dict[str, Any]:
     return {
         "model": str(args.model),
         "settings": {k: v for k, v in vars(args).items() if k != "output"},
@@ -422,9 +437,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.getLogger("qserve").setLevel(logging.WARNING)
-    summary = measure(args)
     args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(summary, indent=2) + "\n")
+
+    def write(summary: dict[str, Any]) -> None:
+        args.output.write_text(json.dumps(summary, indent=2) + "\n")
+
+    summary = measure(args, on_row=write)
+    write(summary)
     print_summary(summary)
     print(f"wrote {args.output}")
     return 0

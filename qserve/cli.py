@@ -373,7 +373,7 @@ def eval_command(
 @click.option(
     "--quantize-lm-head",
     is_flag=True,
-    help="rtn/gptq: quantize lm_head too (RTN, same bits and groups; untied from the embeddings).",
+    help="rtn/gptq: quantize lm_head too (same method, bits and groups; untied from embeddings).",
 )
 @click.option(
     "--smooth-alpha", default=0.5, show_default=True, type=float, help="SmoothQuant alpha (int8)."

@@ -96,7 +96,7 @@ class QuantizeSettings:
     static_groups: bool = False
     mse: bool = False  # gptq: MSE grid search of each group's range
     act_group_aware: bool = True  # gptq without desc_act: group-aware order (GPTQModel's default)
-    quantize_lm_head: bool = False  # rtn / gptq: lm_head too, rounded to nearest ("lm_head": true)
+    quantize_lm_head: bool = False  # rtn / gptq: lm_head too, by the same method ("lm_head": true)
     ignore: tuple[str, ...] = ("lm_head",)
     smooth_alpha: float = 0.5  # SmoothQuant; <= 0 turns smoothing off
     weight_strategy: str = "channel"  # int8 / fp8: channel | tensor
@@ -126,6 +126,11 @@ class QuantizeSettings:
         if not 0 <= self.damp < 1:
             raise QServeError(f"damp must be in [0, 1), got {self.damp}", "damp")
         check_kv_cache_dtype(self.kv_cache_dtype)
+
+    @property
+    def lm_head_needs_inputs(self) -> bool:
+        """GPTQ of lm_head needs the final hidden states (RTN does not)."""
+        return self.quantize_lm_head and self.method == "gptq"
 
     @property
     def calibrates_kv_scales(self) -> bool:
@@ -218,9 +223,9 @@ def quantize_model(
     `mse` (gptq): search each group's range (GPTQ's MSE grid) instead of taking min / max.
     `act_group_aware` (gptq without desc_act): visit whole groups in Group Aware Reordering
     order (GPTQModel's default); the checkpoint keeps consecutive groups (no g_idx permutation).
-    `quantize_lm_head` (rtn, gptq): lm_head is quantized too, by rounding to nearest with the same
-    bits and groups (untied from the embeddings, which stay in floating point); the config says
-    "lm_head": true, as GPTQModel writes it and vLLM reads it.
+    `quantize_lm_head` (rtn, gptq): lm_head is quantized too, by the same method, bits and groups
+    (GPTQ on the final-norm hidden states; untied from the embeddings, which stay in floating
+    point); the config says "lm_head": true, as GPTQModel writes it and vLLM reads it.
     `gptq_weights` (int8, fp8): round the weights with GPTQ's error feedback instead of to
     nearest (needs calibration data; same scales and format).
     `kv_cache_dtype` fp8_e4m3 | fp8_e5m2: also write calibrated k_scale / v_scale per attention
@@ -279,8 +284,6 @@ def quantize_model(
         )  # fmt: skip
         if searched and scales_path is not None and not replay:
             scales.save(scales_path)
-        if settings.quantize_lm_head:
-            results.linears["lm_head"] = _quantize_lm_head(model, settings)
 
         with export.staging_dir(output_dir, overwrite) as tmp:
             _write(tmp, model, tokenizer, spec, results, settings, out_dtype, blocks)
@@ -420,6 +423,8 @@ def quantize_blocks(
         if progress is not None:
             elapsed = time.monotonic() - start
             progress(b + 1, len(blocks), elapsed / (b + 1) * (len(blocks) - b - 1))
+    if settings.quantize_lm_head:
+        results.linears["lm_head"] = _quantize_lm_head(model, settings, _to_device(X, "cpu"))
     return results
 
 
@@ -470,7 +475,8 @@ def _block_outputs(
     """X_{b+1} = block_b(X_b) with the quantized weights (not needed after the last block unless
     KV scales are calibrated) and, for KV scales, (max |K|, max |V|) of what attention wrote."""
     if not ctx.s.calibrates_kv_scales:
-        return ([] if last else [ctx.block(x, **ctx.kwargs) for x in ctx.X]), None
+        needed = not last or ctx.s.lm_head_needs_inputs  # GPTQ of lm_head: the last block's too
+        return ([ctx.block(x, **ctx.kwargs) for x in ctx.X] if needed else []), None
     observer = KVObserver()
     kwargs = {**ctx.kwargs, _cache_argument(ctx.block): observer}
     X = [ctx.block(x, **kwargs) for x in ctx.X]
@@ -865,9 +871,11 @@ def _export_outside_blocks(
 
 
 @torch.no_grad()
-def _quantize_lm_head(model: nn.Module, s: QuantizeSettings) -> QuantizedWeight:
-    """RTN of lm_head [vocab, hidden], untied from the input embeddings first (those stay in
-    floating point; the config then says tie_word_embeddings false)."""
+def _quantize_lm_head(model: nn.Module, s: QuantizeSettings, X: list[Tensor]) -> QuantizedWeight:
+    """lm_head [vocab, hidden] quantized like the blocks' linears: GPTQ (with the Hessian of the
+    final-norm hidden states of the calibration samples, the last block's outputs X) or RTN.
+    It is untied from the input embeddings first: those stay in floating point, and the config
+    then says tie_word_embeddings false."""
     head = model.get_output_embeddings()
     if getattr(model.config, "tie_word_embeddings", False):
         head.weight = nn.Parameter(head.weight.detach().clone(), requires_grad=False)
@@ -878,7 +886,18 @@ def _quantize_lm_head(model: nn.Module, s: QuantizeSettings) -> QuantizedWeight:
             f"group_size {s.group_size} does not divide lm_head's {K} input features",
             param="group_size",
         )
-    return _set_weight(head, rtn_quantize(head.weight, s.bits, s.group_size, s.sym, s.min_zero))
+    if not s.lm_head_needs_inputs:
+        return _set_weight(head, rtn_quantize(head.weight, s.bits, s.group_size, s.sym, s.min_zero))
+    norm = model.get_decoder().norm
+    H, n = None, 0
+    for x in X:
+        H, n = accumulate_hessian(H, n, norm(x))
+    qw = gptq_quantize(
+        head.weight, H, s.bits, s.group_size, s.sym, s.damp,
+        desc_act=s.desc_act, static_groups=s.static_groups, min_zero=s.min_zero,
+        mse=s.mse, act_group_aware=s.act_group_aware,
+    )  # fmt: skip
+    return _set_weight(head, qw)
 
 
 def _quantization_config(

@@ -6,9 +6,11 @@ import torch
 from safetensors.torch import load_file
 
 from qserve.errors import QServeError
+from qserve.kernels import packing
 from qserve.quantize.calibration import load_calibration_text
 from qserve.quantize.driver import SEARCH_FILE, quantize_model
 from qserve.quantize.fold import ScaleResult
+from qserve.quantize.rtn import rtn_quantize
 
 from ._helpers import load_dequantized, make_tiny_model
 
@@ -300,9 +302,11 @@ def test_ignored_linears_are_named_in_the_configs(tiny_llama: Path, tmp_path: Pa
     ]
 
 
-@pytest.mark.parametrize("offload", [False, True], ids=["in-memory", "offload"])
-@pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
-def test_quantize_lm_head(tie: bool, offload: bool, tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("method", "tie", "offload"),
+    [("rtn", False, False), ("rtn", True, True), ("gptq", True, False), ("gptq", False, True)],
+)
+def test_quantize_lm_head(method: str, tie: bool, offload: bool, tmp_path: Path) -> None:
     from qserve.kernels.packing import dequantize_gptq
     from qserve.model.loader import load_model
     from qserve.model.quant import QuantLinear
@@ -311,8 +315,9 @@ def test_quantize_lm_head(tie: bool, offload: bool, tmp_path: Path) -> None:
     out = tmp_path / "q"
     offload_dir = tmp_path / "offload" if offload else None
     quantize_model(
-        base, out, method="rtn", group_size=32, quantize_lm_head=True, offload_dir=offload_dir
-    )
+        base, out, method=method, group_size=32, quantize_lm_head=True, offload_dir=offload_dir,
+        **(CALIB if method == "gptq" else {}),
+    )  # fmt: skip
     sd = _tensors(out)
     config = json.loads((out / "config.json").read_text())
     assert "lm_head.weight" not in sd and sd["lm_head.qweight"].shape == (128 // 8, 320)
@@ -330,6 +335,13 @@ def test_quantize_lm_head(tie: bool, offload: bool, tmp_path: Path) -> None:
     )  # fmt: skip
     want = hidden @ head.t()
     torch.testing.assert_close(model.compute_logits(hidden), want, rtol=1e-5, atol=1e-5)
+    if method == "gptq":  # error feedback on the final hidden states: not plain rounding
+        rtn = rtn_quantize(embed.float() if tie else _lm_head(base), 4, 32, True, 1)
+        assert not torch.equal(packing.unpack_gptq_qweight(sd["lm_head.qweight"], 4), rtn.Q.t())
+
+
+def _lm_head(base: Path) -> torch.Tensor:
+    return load_file(str(base / "model.safetensors"))["lm_head.weight"].float()
 
 
 def test_quantize_lm_head_needs_the_gptq_format(tiny_llama: Path, tmp_path: Path) -> None:

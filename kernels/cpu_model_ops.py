@@ -18,6 +18,7 @@ import torch
 
 from qserve.kernels import cpu_build
 from qserve.kernels.attention_ref import Scale
+from qserve.kernels.cpu_paged_attention import head_scales
 
 SOURCE = cpu_build.CSRC / "model_ops_cpu.cpp"
 DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -134,19 +135,6 @@ def rope_neox(
     return q, k
 
 
-@functools.lru_cache(maxsize=64)
-def _constant_scale(value: float, num_kv_heads: int) -> torch.Tensor:
-    return torch.full((num_kv_heads,), value, dtype=torch.float32)
-
-
-def _head_scales(scale: Scale, num_kv_heads: int) -> torch.Tensor:
-    if not isinstance(scale, torch.Tensor) or scale.numel() == 1:
-        return _constant_scale(float(scale), num_kv_heads)
-    if scale.numel() != num_kv_heads:
-        raise ValueError(f"scale has {scale.numel()} values, expected 1 or {num_kv_heads}")
-    return scale.reshape(num_kv_heads).to("cpu", torch.float32).contiguous()
-
-
 def cache_write_usable(key: torch.Tensor, kv_cache: torch.Tensor) -> bool:
     """The C++ cache write takes these (CPU, contiguous pages, rows of K/V)."""
     return (
@@ -181,6 +169,6 @@ def reshape_and_cache(
         k2.data_ptr(), v2.data_ptr(), k2.stride(0), DTYPES[key.dtype],
         kv_cache.data_ptr(), PAGE_DTYPES[kv_cache.dtype], kv_cache.shape[1] * kv_cache.shape[2],
         slots.data_ptr(), T, Hk, D,
-        _head_scales(k_scale, Hk).data_ptr(), _head_scales(v_scale, Hk).data_ptr(),
+        head_scales(k_scale, Hk).data_ptr(), head_scales(v_scale, Hk).data_ptr(),
     )  # fmt: skip
     _check(status, "reshape_and_cache")

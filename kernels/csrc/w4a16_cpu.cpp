@@ -23,9 +23,12 @@
 #include <cstring>
 #include <vector>
 
+#include "cpu_dtypes.h"
+
 namespace {
 
-enum DType : int { kF32 = 0, kBF16 = 1, kF16 = 2 };
+using namespace qserve_cpu;
+
 enum Status : int { kOk = 0, kBadDType = 1, kBadShape = 2 };
 
 constexpr int kLanes = 8;
@@ -52,45 +55,6 @@ inline uvec8 load8u(const uint32_t* p) {
 }
 
 inline void store8(float* p, vec8 v) { std::memcpy(p, &v, sizeof(v)); }
-
-inline float bf16_to_f32(uint16_t h) {
-  uint32_t bits = static_cast<uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-}
-
-inline uint16_t f32_to_bf16(float f) {  // round to nearest even, as torch
-  uint32_t bits;
-  std::memcpy(&bits, &f, sizeof(bits));
-  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40);
-  bits += 0x7fffu + ((bits >> 16) & 1u);
-  return static_cast<uint16_t>(bits >> 16);
-}
-
-inline float load_scalar(const void* p, int dtype, int64_t i) {
-  switch (dtype) {
-    case kBF16:
-      return bf16_to_f32(static_cast<const uint16_t*>(p)[i]);
-    case kF16:
-      return static_cast<float>(static_cast<const _Float16*>(p)[i]);
-    default:
-      return static_cast<const float*>(p)[i];
-  }
-}
-
-inline void store_scalar(void* p, int dtype, int64_t i, float v) {
-  switch (dtype) {
-    case kBF16:
-      static_cast<uint16_t*>(p)[i] = f32_to_bf16(v);
-      break;
-    case kF16:
-      static_cast<_Float16*>(p)[i] = static_cast<_Float16>(v);
-      break;
-    default:
-      static_cast<float*>(p)[i] = v;
-  }
-}
 
 inline vec8 decode(uvec8 word, int j) {
   const uvec8 bits = j == 7 ? word >> 28 : word & (15u << (4 * j));
@@ -222,7 +186,7 @@ extern "C" int qserve_w4_gemm(const void* x, int x_dtype, int64_t x_stride, cons
   for (int64_t m = 0; m < M; ++m) {
     for (int64_t k = 0; k < K; ++k) {
       const int64_t src = perm ? perm[k] : k;
-      const float v = load_scalar(x, x_dtype, m * x_stride + src);
+      const float v = load(x, x_dtype, m * x_stride + src);
       xf[m * K + k] = v * kInvPow16[k % 8];
       xs[m * w.num_groups + k / group_size] += v;
     }
@@ -242,7 +206,7 @@ extern "C" int qserve_w4_gemm(const void* x, int x_dtype, int64_t x_stride, cons
         for (int i = 0; i < nb * kLanes; ++i) {
           const int64_t n = b0 * kLanes + i;
           const float v = out[m * nb * kLanes + i] + (bias ? bias[n] : 0.f);
-          store_scalar(y, x_dtype, (m0 + m) * y_stride + n, v);
+          store(y, x_dtype, (m0 + m) * y_stride + n, v);
         }
       }
     }

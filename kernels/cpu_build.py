@@ -27,6 +27,9 @@ logger = logging.getLogger("qserve")
 ENV_VAR = "QSERVE_CPU_KERNELS"
 CSRC = Path(__file__).resolve().parent / "csrc"
 CFLAGS = ["-O3", "-march=native", "-fopenmp"]
+# dtype codes of the C++ sources (csrc/cpu_dtypes.h; fp8 codes for KV pages only)
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+PAGE_DTYPE_CODES = {**DTYPE_CODES, torch.float8_e4m3fn: 3, torch.float8_e5m2: 4}
 
 
 def enabled() -> bool:

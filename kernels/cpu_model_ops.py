@@ -21,8 +21,8 @@ from qserve.kernels.attention_ref import Scale
 from qserve.kernels.cpu_paged_attention import head_scales
 
 SOURCE = cpu_build.CSRC / "model_ops_cpu.cpp"
-DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-PAGE_DTYPES = {**DTYPES, torch.float8_e4m3fn: 3, torch.float8_e5m2: 4}
+DTYPES = cpu_build.DTYPE_CODES
+PAGE_DTYPES = cpu_build.PAGE_DTYPE_CODES
 STATUS = {1: "unsupported dtype", 2: "bad shape or position", 3: "a slot outside the cache"}
 
 _i32, _i64, _ptr, _f32 = ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
@@ -94,11 +94,11 @@ def rms_norm(
     in place and returned as the new residual."""
     H = x.shape[-1]
     x2 = x.reshape(-1, H)
-    if not rms_norm_usable(x2, weight):
-        raise ValueError("rms_norm: rows with a contiguous last dim and a weight of x's dtype")
     r2 = None if residual is None else residual.view(-1, H)
-    if r2 is not None and (r2.dtype != x.dtype or not _rows(r2)):
-        raise ValueError("rms_norm: residual must be rows of x's dtype")
+    if not rms_norm_usable(x2, weight, r2):
+        raise ValueError(
+            "rms_norm: rows with a contiguous last dim; weight and residual of x's dtype"
+        )
     out = torch.empty(x2.shape, dtype=x.dtype)
     lib = load_library()
     status = lib.qserve_rms_norm(

@@ -26,8 +26,8 @@ enabled = cpu_build.enabled
 SOURCE = cpu_build.CSRC / "paged_attention_cpu.cpp"
 HEAD_DIMS = (64, 128)
 # dtype codes of the C++ source
-QUERY_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-PAGE_DTYPES = {**QUERY_DTYPES, torch.float8_e4m3fn: 3, torch.float8_e5m2: 4}
+QUERY_DTYPES = cpu_build.DTYPE_CODES
+PAGE_DTYPES = cpu_build.PAGE_DTYPE_CODES
 STATUS = {
     1: "unsupported dtype",
     2: "head_dim not 64 or 128",

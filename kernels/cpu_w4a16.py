@@ -35,7 +35,7 @@ from qserve.kernels.packing import (
 
 SOURCE = cpu_build.CSRC / "w4a16_cpu.cpp"
 GEMV_MAX_ROWS = 32  # larger M: dequantize + fp32 GEMM (benchmarks/cpu_w4a16.py measures it)
-X_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+X_DTYPES = cpu_build.DTYPE_CODES
 STATUS = {1: "unsupported dtype", 2: "K, N and group size must be multiples of 8"}
 
 _i32, _i64, _ptr = ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p

@@ -56,7 +56,10 @@ def rope_neox_ref(
     positions: torch.Tensor,
     cos_sin_cache: torch.Tensor,
     head_dim: int,
+    cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """q [T, Hq * D], k [T, Hk * D] -> rotated copies."""
-    cos_sin = rope_cos_sin(cos_sin_cache, positions, q.dtype)
+    """q [T, Hq * D], k [T, Hk * D] -> rotated copies. `cos_sin`: already gathered from the
+    cache for these positions in q's dtype (a model gathers them once per step)."""
+    if cos_sin is None:
+        cos_sin = rope_cos_sin(cos_sin_cache, positions, q.dtype)
     return apply_rope_ref(q, cos_sin, head_dim), apply_rope_ref(k, cos_sin, head_dim)

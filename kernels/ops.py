@@ -109,23 +109,21 @@ def rms_norm(
     return rms_norm_ref(x, weight, eps, residual)
 
 
-def rope_in_place(q: torch.Tensor, k: torch.Tensor) -> bool:
-    """`rope_neox` rotates q and k in place (the C++ op on CPU) rather than returning copies."""
-    return cpu_model_ops.rope_usable(q, k)
-
-
 def rope_neox(
     q: torch.Tensor,
     k: torch.Tensor,
     positions: torch.Tensor,
     cos_sin_cache: torch.Tensor,
     head_dim: int,
+    cos_sin: Callable[[torch.dtype], tuple[torch.Tensor, torch.Tensor]] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate-half RoPE of q [T, Hq * D] and k [T, Hk * D] (see model_ops_ref.rope_neox_ref);
-    the C++ op on CPU rotates them in place."""
+    the C++ op on CPU rotates them in place. `cos_sin(dtype)`: the torch path's cos/sin for
+    these positions, if the caller caches them."""
     if cpu_model_ops.rope_usable(q, k):
         return cpu_model_ops.rope_neox(q, k, positions, cos_sin_cache, head_dim)
-    return rope_neox_ref(q, k, positions, cos_sin_cache, head_dim)
+    gathered = None if cos_sin is None else cos_sin(q.dtype)
+    return rope_neox_ref(q, k, positions, cos_sin_cache, head_dim, gathered)
 
 
 # ------------------------------------------------------------------------ weight-only GEMMs

@@ -344,11 +344,18 @@ def check_group_size(model: nn.Module, spec: ArchSpec, settings: QuantizeSetting
             full = f"{spec.blocks}.{b}.{name}"
             K = block.get_submodule(name).in_features
             if K % gs and not _is_ignored(full, settings.ignore):
-                raise QServeError(
-                    f"group_size {gs} does not divide {full}'s {K} input features "
-                    "(choose a group size that does, or -1 for per-channel)",
-                    param="group_size",
-                )
+                raise _group_size_error(gs, full, K)
+    K = model.get_output_embeddings().in_features
+    if settings.quantize_lm_head and K % gs:
+        raise _group_size_error(gs, "lm_head", K)
+
+
+def _group_size_error(group_size: int, name: str, K: int) -> QServeError:
+    return QServeError(
+        f"group_size {group_size} does not divide {name}'s {K} input features "
+        "(choose a group size that does, or -1 for per-channel)",
+        param="group_size",
+    )
 
 
 def _write(
@@ -880,12 +887,6 @@ def _quantize_lm_head(model: nn.Module, s: QuantizeSettings, X: list[Tensor]) ->
     if getattr(model.config, "tie_word_embeddings", False):
         head.weight = nn.Parameter(head.weight.detach().clone(), requires_grad=False)
         model.config.tie_word_embeddings = False
-    K = head.weight.shape[1]
-    if s.group_size != -1 and K % s.group_size:
-        raise QServeError(
-            f"group_size {s.group_size} does not divide lm_head's {K} input features",
-            param="group_size",
-        )
     if not s.lm_head_needs_inputs:
         return _set_weight(head, rtn_quantize(head.weight, s.bits, s.group_size, s.sym, s.min_zero))
     norm = model.get_decoder().norm

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from qserve.kernels import ops
-from qserve.kernels.model_ops_ref import apply_rope_ref, rope_cos_sin
+from qserve.kernels.model_ops_ref import rope_cos_sin
 from qserve.model.attention import Attention, AttentionMetadata
 from qserve.model.config import ModelConfig, RopeScaling
 
@@ -112,10 +112,9 @@ class Rope:
 
     def apply(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q [num_tokens, num_heads * head_dim], k [num_tokens, num_kv_heads * head_dim]."""
-        if ops.rope_in_place(q, k):
-            return ops.rope_neox(q, k, self.positions, self.cos_sin_cache, self.head_dim)
-        cos_sin = self.cos_sin(q.dtype)
-        return apply_rope_ref(q, cos_sin, self.head_dim), apply_rope_ref(k, cos_sin, self.head_dim)
+        return ops.rope_neox(
+            q, k, self.positions, self.cos_sin_cache, self.head_dim, cos_sin=self.cos_sin
+        )
 
 
 class LlamaAttention(nn.Module):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import logging
 import os
 import shutil
@@ -33,8 +34,14 @@ PAGE_DTYPE_CODES = {**DTYPE_CODES, torch.float8_e4m3fn: 3, torch.float8_e5m2: 4}
 
 
 def enabled() -> bool:
-    """The C++ paths are on unless QSERVE_CPU_KERNELS=0 (read on every call)."""
-    return os.environ.get(ENV_VAR, "1").strip().lower() not in ("0", "false", "off", "no")
+    """The C++ paths are on unless QSERVE_CPU_KERNELS=0 (read on every call: ops ask per call,
+    so the parse is cached per raw value)."""
+    return _parse_enabled(os.environ.get(ENV_VAR, "1"))
+
+
+@functools.lru_cache(maxsize=8)
+def _parse_enabled(raw: str) -> bool:
+    return raw.strip().lower() not in ("0", "false", "off", "no")
 
 
 @contextlib.contextmanager

@@ -36,6 +36,7 @@ _SYMBOLS = {
         [_ptr, _ptr, _i64, _i32, _ptr, _i32, _i64, _ptr, _i64, _i64, _i64, _ptr, _ptr],
         _i32,
     ),
+    "qserve_silu_and_mul": ([_ptr, _i64, _ptr, _i64, _i64, _i64, _i32], _i32),
 }
 
 
@@ -50,15 +51,16 @@ def load_library() -> ctypes.CDLL | None:
 
 def _rows(t: torch.Tensor) -> bool:
     """A CPU tensor of rows [M, H] with a contiguous last dim."""
-    return t.device.type == "cpu" and t.dim() == 2 and t.stride(-1) == 1
+    return t.is_cpu and t.dim() == 2 and t.stride(-1) == 1
 
 
 def usable(*tensors: torch.Tensor) -> bool:
-    """Enabled, on CPU, in a dtype the C++ ops take, and compiled."""
+    """Enabled, on CPU, in a dtype the C++ ops take, and compiled. Cheap: called per op."""
     if not cpu_build.enabled():
         return False
-    if any(t.device.type != "cpu" or t.dtype not in DTYPES for t in tensors):
-        return False
+    for t in tensors:
+        if not t.is_cpu or t.dtype not in DTYPES:
+            return False
     return load_library() is not None
 
 
@@ -66,12 +68,16 @@ def rms_norm_usable(
     x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None = None
 ) -> bool:
     """`rms_norm` takes these: rows with a contiguous last dim, one dtype."""
-    tensors = (x, weight) if residual is None else (x, weight, residual)
-    if any(t.dtype != x.dtype or t.stride(-1) != 1 for t in tensors):
+    dtype = x.dtype
+    if x.stride(-1) != 1 or weight.dtype != dtype or weight.dim() != 1:
         return False
-    if residual is not None and (residual.shape != x.shape or not residual.is_contiguous()):
+    if not weight.is_contiguous():
         return False
-    return weight.is_contiguous() and weight.dim() == 1 and usable(*tensors)
+    if residual is not None and (
+        residual.dtype != dtype or residual.shape != x.shape or not residual.is_contiguous()
+    ):
+        return False
+    return usable(x, weight)
 
 
 def rope_usable(q: torch.Tensor, k: torch.Tensor) -> bool:
@@ -92,23 +98,43 @@ def rms_norm(
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Same contract as `rms_norm_ref`; with `residual`, the sum is written into `residual`
     in place and returned as the new residual."""
-    H = x.shape[-1]
-    x2 = x.reshape(-1, H)
-    r2 = None if residual is None else residual.view(-1, H)
-    if not rms_norm_usable(x2, weight, r2):
+    if not rms_norm_usable(x, weight, residual):
         raise ValueError(
             "rms_norm: rows with a contiguous last dim; weight and residual of x's dtype"
         )
+    return rms_norm_unchecked(x, weight, eps, residual)
+
+
+def rms_norm_unchecked(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """`rms_norm` for arguments `rms_norm_usable` accepted (the dispatcher checks once)."""
+    H = x.shape[-1]
+    x2 = x if x.dim() == 2 else x.reshape(-1, H)
+    r2 = None if residual is None else residual.view(-1, H)
     out = torch.empty(x2.shape, dtype=x.dtype)
-    lib = load_library()
-    status = lib.qserve_rms_norm(
+    status = load_library().qserve_rms_norm(
         x2.data_ptr(), x2.stride(0),
         None if r2 is None else r2.data_ptr(), 0 if r2 is None else r2.stride(0),
         weight.data_ptr(), out.data_ptr(), out.stride(0), x2.shape[0], H, eps, DTYPES[x.dtype],
     )  # fmt: skip
     _check(status, "rms_norm")
-    out = out.view(x.shape)
+    out = out if x.dim() == 2 else out.view(x.shape)
     return out if residual is None else (out, residual)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """Same contract as `silu_and_mul_ref`: x [M, 2D] (gate | up) -> [M, D]; exp differs from
+    torch's by about 1 ulp, so an output can be one unit in the last place off."""
+    if not (_rows(x) and usable(x)) or x.shape[1] % 2:
+        raise ValueError("silu_and_mul: CPU rows [M, 2D] with a contiguous last dim")
+    M, D = x.shape[0], x.shape[1] // 2
+    out = torch.empty(M, D, dtype=x.dtype)
+    status = load_library().qserve_silu_and_mul(
+        x.data_ptr(), x.stride(0), out.data_ptr(), out.stride(0), M, D, DTYPES[x.dtype]
+    )
+    _check(status, "silu_and_mul")
+    return out
 
 
 def rope_neox(
@@ -139,7 +165,7 @@ def cache_write_usable(key: torch.Tensor, kv_cache: torch.Tensor) -> bool:
     """The C++ cache write takes these (CPU, contiguous pages, rows of K/V)."""
     return (
         kv_cache.dtype in PAGE_DTYPES
-        and kv_cache.device.type == "cpu"
+        and kv_cache.is_cpu
         and kv_cache.is_contiguous()
         and key.dim() == 3
         and usable(key)

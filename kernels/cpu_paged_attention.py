@@ -33,6 +33,7 @@ STATUS = {
     2: "head_dim not 64 or 128",
     3: "a seq_len outside its block table",
     4: "a block id outside the cache",
+    5: "query_start_loc does not rise from 0 to the number of query rows",
 }
 
 _i32, _i64, _ptr = ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p
@@ -58,6 +59,7 @@ _ARGS = (
     ("seq_lens", _ptr),
     ("query_start_loc", _ptr),
     ("num_seqs", _i32),
+    ("num_tokens", _i64),
     ("k_scale", _ptr),
     ("v_scale", _ptr),
     ("scale", ctypes.c_float),
@@ -78,8 +80,8 @@ def load_library() -> ctypes.CDLL | None:
 def supports(query: torch.Tensor, kv_cache: torch.Tensor) -> bool:
     """Shapes and dtypes the C++ kernel handles (others take the torch reference)."""
     return (
-        query.device.type == "cpu"
-        and kv_cache.device.type == "cpu"
+        query.is_cpu
+        and kv_cache.is_cpu
         and query.dim() == 3
         and kv_cache.dim() == 5
         and query.shape[-1] in HEAD_DIMS
@@ -125,19 +127,16 @@ def _check(query, kv_cache, block_tables, seq_lens, query_start_loc) -> None:
         )
     if block_tables.dim() != 2 or block_tables.shape[0] != num_seqs:
         raise ValueError(f"block_tables {tuple(block_tables.shape)}: expected [{num_seqs}, *]")
-    if query_start_loc.shape != (num_seqs + 1,):
+    if query_start_loc.shape != (num_seqs + 1,):  # its values are checked in C++
         raise ValueError(
             f"query_start_loc {tuple(query_start_loc.shape)}: expected [{num_seqs + 1}]"
-        )
-    if int(query_start_loc[-1]) != query.shape[0]:
-        raise ValueError(
-            f"query_start_loc ends at {int(query_start_loc[-1])}, not {query.shape[0]}"
         )
 
 
 def _int32(t: torch.Tensor) -> torch.Tensor:
     """An int32 CPU tensor whose rows are contiguous (row stride read by the kernel)."""
-    t = t.to("cpu", torch.int32)
+    if not (t.is_cpu and t.dtype == torch.int32):
+        t = t.to("cpu", torch.int32)
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
@@ -171,8 +170,8 @@ def paged_attention_decode(
         kv_cache.data_ptr(), PAGE_DTYPES[kv_cache.dtype], num_blocks, block_size,
         num_kv_heads, head_dim, query.shape[1],
         tables.data_ptr(), tables.stride(0), tables.shape[1], lens.data_ptr(), qsl.data_ptr(),
-        lens.shape[0], k_s.data_ptr(), v_s.data_ptr(), scale, torch.get_num_threads(),
-        ctypes.byref(num_chunks),
+        lens.shape[0], query.shape[0], k_s.data_ptr(), v_s.data_ptr(), scale,
+        torch.get_num_threads(), ctypes.byref(num_chunks),
     )  # fmt: skip
     if status:
         raise ValueError(f"paged_attention_decode: {STATUS.get(status, status)}")

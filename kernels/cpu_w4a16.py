@@ -34,7 +34,8 @@ from qserve.kernels.packing import (
 )
 
 SOURCE = cpu_build.CSRC / "w4a16_cpu.cpp"
-GEMV_MAX_ROWS = 32  # larger M: dequantize + fp32 GEMM (benchmarks/cpu_w4a16.py measures it)
+GEMV_MAX_ROWS = 32  # larger M: dequantize + fp32 GEMM, faster there on an AVX2 EPYC
+DEQUANT_CHUNK_BYTES = 2 << 20  # fp32 weight dequantized at a time for the GEMM
 X_DTYPES = cpu_build.DTYPE_CODES
 STATUS = {1: "unsupported dtype", 2: "K, N and group size must be multiples of 8"}
 
@@ -76,6 +77,35 @@ class W4PackedCPU:
     @property
     def out_features(self) -> int:
         return self.codes.shape[0] * 8
+
+
+def concat(weights: list[W4PackedCPU]) -> W4PackedCPU:
+    """One weight whose output channels are those of `weights` in order (fused q/k/v or
+    gate/up: one call instead of several). The blocks of 8 outputs are the outermost dim, so
+    this is a concatenation. Raises ValueError unless they share K, groups and perm."""
+    first = weights[0]
+    for w in weights[1:]:
+        same_perm = (w.perm is None and first.perm is None) or (
+            w.perm is not None and first.perm is not None and torch.equal(w.perm, first.perm)
+        )
+        if w.codes.shape[1] != first.codes.shape[1] or w.group_size != first.group_size:
+            raise ValueError("W4 weights with different K or group size do not concatenate")
+        if not same_perm:
+            raise ValueError("W4 weights with different act-order permutations do not concatenate")
+    return W4PackedCPU(
+        torch.cat([w.codes for w in weights]),
+        torch.cat([w.scales for w in weights]),
+        torch.cat([w.zs for w in weights]),
+        first.group_size,
+        first.perm,
+    )
+
+
+def split(w: W4PackedCPU, out_features: list[int]) -> list[W4PackedCPU]:
+    """Views of `w`, one per consecutive range of output channels (multiples of 8)."""
+    blocks = [n // 8 for n in out_features]
+    parts = zip(*(t.split(blocks) for t in (w.codes, w.scales, w.zs)), strict=True)
+    return [W4PackedCPU(c, s, z, w.group_size, w.perm) for c, s, z in parts]
 
 
 def _blocked(t: torch.Tensor) -> torch.Tensor:
@@ -150,13 +180,14 @@ def _check(status: int, what: str) -> None:
 def w4_gemv(x: torch.Tensor, w: W4PackedCPU, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] (fp32/bf16/fp16, last dim contiguous) -> [M, N] in x's dtype, on the C++ loop."""
     M, K = x.shape
-    if K != w.in_features or x.dtype not in X_DTYPES or x.stride(-1) != 1:
+    dtype_code = X_DTYPES.get(x.dtype)
+    if K != w.codes.shape[1] * 8 or dtype_code is None or x.stride(-1) != 1 or not x.is_cpu:
         raise ValueError(f"x {x.dtype} {tuple(x.shape)} does not fit a W4 weight with K={K}")
-    N = w.out_features
+    N = w.codes.shape[0] * 8
     y = torch.empty(M, N, dtype=x.dtype)
     b = None if bias is None else bias.to(torch.float32).contiguous()
     status = _library().qserve_w4_gemm(
-        x.data_ptr(), X_DTYPES[x.dtype], x.stride(0),
+        x.data_ptr(), dtype_code, x.stride(0),
         None if w.perm is None else w.perm.data_ptr(),
         w.codes.data_ptr(), w.scales.data_ptr(), w.zs.data_ptr(),
         None if b is None else b.data_ptr(), M, K, N, w.group_size,
@@ -180,14 +211,33 @@ def w4_dequantize_t(w: W4PackedCPU) -> torch.Tensor:
 
 def w4_mm(x: torch.Tensor, w: W4PackedCPU, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] @ W.T (+ bias) -> [..., N] in x's dtype, computed in fp32."""
+    if x.dim() == 2 and x.shape[0] <= GEMV_MAX_ROWS and x.stride(-1) == 1:  # decode: lean
+        return w4_gemv(x, w, bias)
     lead, K = x.shape[:-1], x.shape[-1]
     x2 = x if x.dim() == 2 else x.reshape(-1, K)
     if x2.shape[0] <= GEMV_MAX_ROWS:
         out = w4_gemv(x2 if x2.stride(-1) == 1 else x2.contiguous(), w, bias)
     else:
         xs = x2 if w.perm is None else x2[:, w.perm]
-        out = xs.to(torch.float32) @ w4_dequantize_t(w)
-        if bias is not None:
-            out += bias.to(torch.float32)
-        out = out.to(x.dtype)
+        out = _dequantized_mm(xs.to(torch.float32), w, bias).to(x.dtype)
     return out if x.dim() == 2 else out.reshape(*lead, w.out_features)
+
+
+def _dequantized_mm(x32: torch.Tensor, w: W4PackedCPU, bias: torch.Tensor | None) -> torch.Tensor:
+    """fp32 x32 @ W.T (+ bias), W dequantized DEQUANT_CHUNK_BYTES of fp32 at a time: a chunk
+    stays in cache, so a large weight (an lm_head) never goes to memory in fp32."""
+    N = w.out_features
+    out = torch.empty(x32.shape[0], N, dtype=torch.float32)
+    blocks = max(1, DEQUANT_CHUNK_BYTES // (4 * 8 * w.in_features))
+    n0 = 0
+    for part in split(w, [8 * b for b in _chunks(N // 8, blocks)]):
+        n1 = n0 + part.out_features
+        torch.mm(x32, w4_dequantize_t(part), out=out[:, n0:n1])
+        n0 = n1
+    if bias is not None:
+        out += bias.to(torch.float32)
+    return out
+
+
+def _chunks(total: int, size: int) -> list[int]:
+    return [min(size, total - i) for i in range(0, total, size)]

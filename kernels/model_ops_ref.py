@@ -3,6 +3,7 @@
     rms_norm_ref(x, weight, eps)                 -> out
     rms_norm_ref(x, weight, eps, residual)       -> (out, residual + x)    vLLM's fused_add_rms_norm
     rope_neox_ref(q, k, positions, cos_sin_cache, head_dim) -> (q, k)      rotate-half RoPE
+    silu_and_mul_ref(x)                          -> silu(x[..., :D]) * x[..., D:]  (vLLM's)
 
 RMSNorm is computed in fp32 and cast back before the weight, as Hugging Face's LlamaRMSNorm;
 RoPE multiplies in the activation dtype with cos/sin cast to it, as Hugging Face's Llama.
@@ -11,6 +12,7 @@ RoPE multiplies in the activation dtype with cos/sin cast to it, as Hugging Face
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 
 def rms_norm_ref(
@@ -63,3 +65,10 @@ def rope_neox_ref(
     if cos_sin is None:
         cos_sin = rope_cos_sin(cos_sin_cache, positions, q.dtype)
     return apply_rope_ref(q, cos_sin, head_dim), apply_rope_ref(k, cos_sin, head_dim)
+
+
+def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
+    """x [..., 2D], the fused gate/up projection's output -> silu(gate) * up [..., D], in x's
+    dtype as Hugging Face's LlamaMLP computes it."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up

@@ -15,8 +15,9 @@ from collections.abc import Callable
 from typing import ParamSpec, TypeVar
 
 import torch
+import torch.nn.functional as F
 
-from qserve.kernels import cpu_model_ops, cpu_paged_attention
+from qserve.kernels import cpu_dense, cpu_model_ops, cpu_paged_attention
 from qserve.kernels.attention_ref import Scale, paged_attention_ref, reshape_and_cache_ref
 from qserve.kernels.fp8_ref import fp8_scaled_mm_ref, scaled_fp8_quant_ref, w8a8_fp8_linear_ref
 from qserve.kernels.int8_ref import (
@@ -25,7 +26,7 @@ from qserve.kernels.int8_ref import (
     w8a8_int8_linear_ref,
     w8a16_gemm_ref,
 )
-from qserve.kernels.model_ops_ref import rms_norm_ref, rope_neox_ref
+from qserve.kernels.model_ops_ref import rms_norm_ref, rope_neox_ref, silu_and_mul_ref
 from qserve.kernels.w4a16_ref import awq_gemm_ref, gptq_gemm_ref
 
 
@@ -69,7 +70,7 @@ def reshape_and_cache(
 ) -> None:
     """Write new K/V [num_tokens, num_kv_heads, head_dim] into the pages at slot_mapping."""
     ref = reshape_and_cache_ref
-    if key.device.type == "cpu" and cpu_model_ops.cache_write_usable(key, kv_cache):
+    if key.is_cpu and cpu_model_ops.cache_write_usable(key, kv_cache):
         ref = cpu_model_ops.reshape_and_cache
     _pick(key, ref, "cache_write.reshape_and_cache")(
         key, value, kv_cache, slot_mapping, k_scale, v_scale
@@ -89,11 +90,22 @@ def paged_attention(
     """Attention of a flat varlen batch of queries over paged K/V (see attention_ref): Triton
     on CUDA, the C++ decode kernel on CPU (falls back to the reference itself), else torch."""
     ref = paged_attention_ref
-    if query.device.type == "cpu" and cpu_paged_attention.enabled():
+    if query.is_cpu and cpu_paged_attention.enabled():
         ref = cpu_paged_attention.paged_attention
     return _pick(query, ref, "paged_attention.paged_attention")(
         query, kv_cache, block_tables, seq_lens, query_start_loc, scale, k_scale, v_scale
     )
+
+
+# ---------------------------------------------------------------------------------- linear
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear, except 16-bit batches on CPUs without native 16-bit matmul, which accumulate
+    in fp32 with the weight upcast a chunk at a time (`cpu_dense`: several times faster)."""
+    if cpu_dense.use_upcast(x):
+        return cpu_dense.upcast_linear(x, weight, bias)
+    return F.linear(x, weight, bias)
 
 
 # ---------------------------------------------------------------------------- norm / RoPE
@@ -105,8 +117,16 @@ def rms_norm(
     """RMSNorm of x (see model_ops_ref.rms_norm_ref); with `residual`, of x + residual, also
     returning that sum (on CPU the C++ op writes it into `residual` in place)."""
     if cpu_model_ops.rms_norm_usable(x, weight, residual):
-        return cpu_model_ops.rms_norm(x, weight, eps, residual)
+        return cpu_model_ops.rms_norm_unchecked(x, weight, eps, residual)
     return rms_norm_ref(x, weight, eps, residual)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x [M, 2D] (the fused gate/up output) -> silu(x[:, :D]) * x[:, D:], vLLM's activation:
+    the C++ op on CPU, torch elsewhere (no Triton kernel: torch on CUDA)."""
+    if x.is_cpu and x.dim() == 2 and x.stride(-1) == 1 and cpu_model_ops.usable(x):
+        return cpu_model_ops.silu_and_mul(x)
+    return silu_and_mul_ref(x)
 
 
 def rope_neox(

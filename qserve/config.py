@@ -42,11 +42,9 @@ def parse_memory(text: str | int) -> int:
 
 def cpu_has_native_bf16() -> bool:
     """AMX tiles or AVX-512 BF16: where oneDNN runs bf16 matmuls faster than fp32."""
-    import torch
+    from qserve.kernels.cpu_dense import native_half_matmul
 
-    cpu = torch.cpu
-    checks = ("_is_amx_tile_supported", "_is_avx512_bf16_supported")
-    return any(getattr(cpu, name, lambda: False)() for name in checks)
+    return native_half_matmul()
 
 
 @dataclass(frozen=True)

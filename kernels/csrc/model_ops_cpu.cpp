@@ -14,6 +14,8 @@
 //                        [2, num_blocks * block_size, Hk, D] (slot -1 = skip); fp8 pages get
 //                        x / scale (per tensor or per KV head), clamped to the format's range
 //                        and rounded to nearest even, as torch's cast.
+//   qserve_silu_and_mul  out [M, D] = silu(x[:, :D]) * x[:, D:] (vLLM's silu_and_mul over the
+//                        fused gate/up output); exp8 in place of torch's exp, so up to 1 ulp off.
 //
 // dtype codes: 0 fp32, 1 bf16, 2 fp16, 3 fp8 e4m3fn, 4 fp8 e5m2 (pages only).
 
@@ -22,6 +24,7 @@
 #include <cstring>
 
 #include "cpu_dtypes.h"
+#include "cpu_vec.h"
 
 namespace {
 
@@ -161,6 +164,31 @@ extern "C" int qserve_reshape_and_cache(const void* key, const void* value, int6
           y = y > fmax ? fmax : (y < -fmax ? -fmax : y);
           static_cast<uint8_t*>(cache)[i] = f32_to_fp8(y, mant, bias, nan);
         }
+      }
+    }
+  }
+  return kOk;
+}
+
+// out[m, d] = silu(g) * u with g = x[m, d], u = x[m, D + d] (the fused gate_up projection's
+// halves), silu(g) = g / (1 + exp(-g)) in fp32 rounded to the dtype, then the product rounded,
+// as torch's F.silu(g) * u; exp is exp8 (about 1 ulp), so a result can be one unit off torch's.
+extern "C" int qserve_silu_and_mul(const void* x, int64_t x_stride, void* out,
+                                   int64_t out_stride, int64_t M, int64_t D, int dtype) {
+  if (dtype < kF32 || dtype > kF16) return kBadDType;
+  if (M < 0 || D < 0) return kBadShape;
+  for (int64_t m = 0; m < M; ++m) {
+    const int64_t row = m * x_stride;
+    for (int64_t d0 = 0; d0 < D; d0 += kLanes) {
+      const int n = D - d0 < kLanes ? static_cast<int>(D - d0) : kLanes;
+      vec8 g = {}, u = {};
+      for (int i = 0; i < n; ++i) {
+        g[i] = load(x, dtype, row + d0 + i);
+        u[i] = load(x, dtype, row + D + d0 + i);
+      }
+      const vec8 silu = g / (1.f + exp8(-g));
+      for (int i = 0; i < n; ++i) {
+        store(out, dtype, m * out_stride + d0 + i, round_to(dtype, silu[i]) * u[i]);
       }
     }
   }

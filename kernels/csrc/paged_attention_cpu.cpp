@@ -20,9 +20,8 @@
 //   l     = alpha * l + sum_t p[t];     acc[g] = alpha * acc[g] + sum_t p[t] * v[t]
 // and at the end out[g] = acc[g] * v_scale[h] / l.
 //
-// A plain C entry point (called through ctypes) keeps the build to this one file without
-// torch's headers: a few seconds to compile. Vectors are GCC/Clang vector extensions
-// (8 floats), which -march=native lowers to AVX2 / AVX-512 / NEON without intrinsics.
+// A plain C entry point (called through ctypes) keeps the build to this file and cpu_vec.h
+// (the 8-float vectors and exp8), without torch's headers: a few seconds to compile.
 
 #include <algorithm>
 #include <array>
@@ -33,26 +32,18 @@
 #include <limits>
 #include <vector>
 
+#include "cpu_vec.h"
+
 namespace {
+
+using namespace qserve_cpu;
 
 // dtype codes shared with cpu_paged_attention.py
 enum DType : int { kF32 = 0, kBF16 = 1, kF16 = 2, kE4M3 = 3, kE5M2 = 4 };
 
-enum Status : int { kOk = 0, kBadDType = 1, kBadHeadDim = 2, kBadSeqLen = 3, kBadBlockId = 4 };
-
-constexpr int kLanes = 8;
-using vec8 = float __attribute__((vector_size(32)));
-using ivec8 = int32_t __attribute__((vector_size(32)));
-
-inline vec8 load8(const float* p) {
-  vec8 v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-
-inline void store8(float* p, vec8 v) { std::memcpy(p, &v, sizeof(v)); }
-
-inline vec8 splat(float x) { return vec8{} + x; }
+enum Status : int {
+  kOk = 0, kBadDType = 1, kBadHeadDim = 2, kBadSeqLen = 3, kBadBlockId = 4, kBadQueryStart = 5
+};
 
 inline float hsum(vec8 v) {
   float s = 0.f;
@@ -80,28 +71,6 @@ inline vec8 hsum8(const vec8* a) {
                   QSERVE_SHUFFLE(s[2], s[3], 2, 3, 10, 11, 6, 7, 14, 15);
   return QSERVE_SHUFFLE(u0, u1, 0, 1, 2, 3, 8, 9, 10, 11) +
          QSERVE_SHUFFLE(u0, u1, 4, 5, 6, 7, 12, 13, 14, 15);
-}
-
-// exp(x) for softmax arguments x <= 0 (Cephes expf): x = n ln2 + r with |r| <= ln2 / 2,
-// exp(r) by a degree-6 polynomial, 2^n put in the exponent bits. About 1 ulp; x is clamped
-// at -87 (exp = 1.6e-38, nothing next to the max's exp(0) = 1).
-inline vec8 exp8(vec8 x) {
-  const vec8 lo = splat(-87.0f);
-  x = x < lo ? lo : x;
-  const vec8 n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round to nearest
-  vec8 r = x - n * 0.693359375f;
-  r = r - n * -2.12194440e-4f;
-  vec8 p = splat(1.9875691500e-4f);
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  const ivec8 bits = (__builtin_convertvector(n, ivec8) + 127) << 23;
-  vec8 pow2n;
-  std::memcpy(&pow2n, &bits, sizeof(pow2n));
-  return p * pow2n;
 }
 
 inline float exp1(float x) { return exp8(splat(x))[0]; }
@@ -419,8 +388,13 @@ void run_head_dim(const Problem& pb, const std::vector<int>& seqs, int head_dim,
 
 // The decode sequences, each checked against its block table (no out-of-bounds page reads),
 // and the number of sequences with a longer chunk of queries (left to the caller).
-Status decode_sequences(const Problem& pb, int num_seqs, std::vector<int>* seqs, int* chunks) {
+Status decode_sequences(const Problem& pb, int num_seqs, int64_t num_tokens,
+                        std::vector<int>* seqs, int* chunks) {
   *chunks = 0;
+  if (pb.qsl[0] < 0 || pb.qsl[num_seqs] != num_tokens) return kBadQueryStart;
+  for (int i = 0; i < num_seqs; ++i) {
+    if (pb.qsl[i + 1] < pb.qsl[i]) return kBadQueryStart;
+  }
   for (int i = 0; i < num_seqs; ++i) {
     const int query_len = pb.qsl[i + 1] - pb.qsl[i];
     *chunks += query_len > 1;
@@ -438,15 +412,16 @@ Status decode_sequences(const Problem& pb, int num_seqs, std::vector<int>* seqs,
 
 }  // namespace
 
-// Strides are in elements; kv_cache is contiguous. Returns a Status (0 = ok) and, in
+// Strides are in elements; kv_cache is contiguous; query_start_loc must rise from >= 0 to
+// num_tokens (the query rows). Returns a Status (0 = ok) and, in
 // *num_chunks, how many sequences have more than one query row (not computed here).
 extern "C" int qserve_paged_attention_decode(
     const void* query, void* out, int q_dtype, int64_t q_stride_t, int64_t q_stride_h,
     int64_t o_stride_t, int64_t o_stride_h, const void* kv_cache, int kv_dtype,
     int64_t num_blocks, int block_size, int num_kv_heads, int head_dim, int num_heads,
     const int32_t* block_tables, int64_t bt_stride, int64_t max_blocks, const int32_t* seq_lens,
-    const int32_t* query_start_loc, int num_seqs, const float* k_scale, const float* v_scale,
-    float scale, int num_threads, int32_t* num_chunks) {
+    const int32_t* query_start_loc, int num_seqs, int64_t num_tokens, const float* k_scale,
+    const float* v_scale, float scale, int num_threads, int32_t* num_chunks) {
   if (q_dtype < kF32 || q_dtype > kF16 || kv_dtype < kF32 || kv_dtype > kE5M2) return kBadDType;
   if (head_dim != 64 && head_dim != 128) return kBadHeadDim;
   const int64_t tok = static_cast<int64_t>(num_kv_heads) * head_dim;
@@ -458,7 +433,7 @@ extern "C" int qserve_paged_attention_decode(
                    k_scale, v_scale, scale, num_heads, num_kv_heads, num_heads / num_kv_heads,
                    block_size};
   std::vector<int> seqs;
-  const Status status = decode_sequences(pb, num_seqs, &seqs, num_chunks);
+  const Status status = decode_sequences(pb, num_seqs, num_tokens, &seqs, num_chunks);
   if (status != kOk || seqs.empty()) return status;
   switch (kv_dtype) {
     case kF32: run_head_dim<kF32>(pb, seqs, head_dim, num_threads); break;

@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "cpu_dtypes.h"
+#include "cpu_vec.h"
 
 namespace {
 
@@ -31,30 +32,19 @@ using namespace qserve_cpu;
 
 enum Status : int { kOk = 0, kBadDType = 1, kBadShape = 2 };
 
-constexpr int kLanes = 8;
 constexpr int kMaxRows = 4;  // MB
-using vec8 = float __attribute__((vector_size(32)));
 using uvec8 = uint32_t __attribute__((vector_size(32)));
-using ivec8 = int32_t __attribute__((vector_size(32)));
 
 // Code j of a word, isolated by a mask alone: (word & 15 << 4j) = q * 16^j, exact in fp32,
 // multiplied by x * 16^-j (see kInvPow16); j = 7 is shifted down instead (AVX2 has no unsigned
 // int -> float convert, and its top bit is the sign).
 constexpr float kInvPow16[8] = {1.f, 0x1p-4f, 0x1p-8f, 0x1p-12f, 0x1p-16f, 0x1p-20f, 0x1p-24f, 1.f};
 
-inline vec8 load8(const float* p) {
-  vec8 v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-
 inline uvec8 load8u(const uint32_t* p) {
   uvec8 v;
   std::memcpy(&v, p, sizeof(v));
   return v;
 }
-
-inline void store8(float* p, vec8 v) { std::memcpy(p, &v, sizeof(v)); }
 
 inline vec8 decode(uvec8 word, int j) {
   const uvec8 bits = j == 7 ? word >> 28 : word & (15u << (4 * j));
@@ -102,23 +92,22 @@ void tile(const Weights& w, const float* xf, const float* xs, int64_t m0, int64_
   }
 }
 
-// The single-row case (decode at batch 1), y[0, 8 * b0 : 8 * (b0 + NB)]: the 8 broadcast x
-// values of a code word stay in registers while the NB blocks' words are decoded. Per 8
-// weights: and, convert, FMA.
+// The single-row case (decode at batch 1), y[0, 8 * b0 : 8 * (b0 + NB)]: for each code j of
+// a word, one broadcast x value meets the NB blocks' words, so NB independent FMA chains hide
+// the FMA latency (the words are re-read from L1 for each j). Per 8 weights: and, convert, FMA.
 template <int NB>
 void row_tile(const Weights& w, const float* xf, const float* xs, int64_t b0, float* out) {
   const int64_t words_per_block = w.K / 8, words_per_group = w.group_size / 8;
+  const uint32_t* qb = w.qw + b0 * words_per_block * kLanes;
   vec8 acc[NB] = {};
   for (int64_t g = 0; g < w.num_groups; ++g) {
     vec8 part[NB] = {};
     for (int64_t kw = g * words_per_group; kw < (g + 1) * words_per_group; ++kw) {
-      vec8 xv[8];
-      for (int j = 0; j < 8; ++j) xv[j] = vec8{} + xf[kw * 8 + j];
-      for (int nb = 0; nb < NB; ++nb) {
-        const uvec8 q = load8u(w.qw + ((b0 + nb) * words_per_block + kw) * 8);
-        vec8 p = part[nb];
-        for (int j = 0; j < 8; ++j) p += decode(q, j) * xv[j];
-        part[nb] = p;
+      for (int j = 0; j < 8; ++j) {
+        const vec8 xv = vec8{} + xf[kw * 8 + j];
+        for (int nb = 0; nb < NB; ++nb) {
+          part[nb] += decode(load8u(qb + (nb * words_per_block + kw) * kLanes), j) * xv;
+        }
       }
     }
     for (int nb = 0; nb < NB; ++nb) {

@@ -136,6 +136,8 @@ class LLMEngine:
         logger.info("weights: %s%s", report.scheme, recipe)
         for kind, kernel in report.linear_paths.items():
             logger.info("  %-10s %s", kind, kernel)
+        if report.merged:
+            logger.info("  merged into one matmul each: %s", ", ".join(report.merged))
         if is_fp8(kv_spec.dtype):
             scales = "from the checkpoint" if report.has_kv_scales else "1.0 (not calibrated)"
             logger.info("FP8 KV pages: k_scale/v_scale %s", scales)

@@ -1,8 +1,9 @@
 """The Llama family (Llama, Mistral, Qwen2) written for a flat varlen batch over paged KV.
 
 Module names mirror Hugging Face's so checkpoint keys load directly (`model.layers.0.self_attn.
-q_proj.weight`, ...). q/k/v and gate/up stay separate `nn.Linear` modules: quantized layers are
-swapped in per module by name.
+q_proj.weight`, ...). q/k/v and gate/up stay separate `Linear` modules: quantized layers are
+swapped in per module by name. After loading, `merge_projections` fuses each group whose kernel
+path allows it into one matmul (`qserve.model.merge`); the forward passes take either form.
 """
 
 from __future__ import annotations
@@ -17,8 +18,17 @@ from qserve.kernels import ops
 from qserve.kernels.model_ops_ref import rope_cos_sin
 from qserve.model.attention import Attention, AttentionMetadata
 from qserve.model.config import ModelConfig, RopeScaling
+from qserve.model.merge import MergedLinear, merge_linears
 
 RopeCosSin = tuple[torch.Tensor, torch.Tensor]  # cos, sin: [num_tokens, 1, head_dim] each
+
+
+class Linear(nn.Linear):
+    """nn.Linear through `ops.linear` (16-bit batches on CPUs without native bf16 accumulate
+    in fp32: several times faster there)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ops.linear(x, self.weight, self.bias)
 
 
 class RMSNorm(nn.Module):
@@ -121,11 +131,13 @@ class LlamaAttention(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         hidden, bias = config.hidden_size, config.attention_bias
-        self.q_proj = nn.Linear(hidden, config.q_size, bias=bias)
-        self.k_proj = nn.Linear(hidden, config.kv_size, bias=bias)
-        self.v_proj = nn.Linear(hidden, config.kv_size, bias=bias)
-        self.o_proj = nn.Linear(config.q_size, hidden, bias=config.o_proj_bias)
+        self.q_proj = Linear(hidden, config.q_size, bias=bias)
+        self.k_proj = Linear(hidden, config.kv_size, bias=bias)
+        self.v_proj = Linear(hidden, config.kv_size, bias=bias)
+        self.o_proj = Linear(config.q_size, hidden, bias=config.o_proj_bias)
         self.head_dim = config.head_dim
+        self.qkv_sizes = [config.q_size, config.kv_size, config.kv_size]
+        self.qkv_proj: MergedLinear | None = None  # set by merge()
         self.attn = Attention(
             config.num_attention_heads,
             config.num_key_value_heads,
@@ -140,22 +152,38 @@ class LlamaAttention(nn.Module):
         kv_cache: torch.Tensor,
         attn_metadata: AttentionMetadata,
     ) -> torch.Tensor:
-        q, k, v = self.q_proj(hidden), self.k_proj(hidden), self.v_proj(hidden)
+        if self.qkv_proj is None:
+            q, k, v = self.q_proj(hidden), self.k_proj(hidden), self.v_proj(hidden)
+        else:  # views into one [num_tokens, q + 2 kv] output
+            q, k, v = self.qkv_proj(hidden).split_with_sizes(self.qkv_sizes, dim=-1)
         q, k = rope.apply(q, k)  # [num_tokens, num_heads / num_kv_heads * head_dim]
         out = self.attn(q, k, v, kv_cache, attn_metadata)  # [num_tokens, num_heads * head_dim]
         return self.o_proj(out)
+
+    def merge(self) -> bool:
+        """Fuse q/k/v into one matmul if their kernel path allows; True if merged."""
+        self.qkv_proj = merge_linears([self.q_proj, self.k_proj, self.v_proj])
+        return self.qkv_proj is not None
 
 
 class LlamaMLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         hidden, inter, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
-        self.gate_proj = nn.Linear(hidden, inter, bias=bias)
-        self.up_proj = nn.Linear(hidden, inter, bias=bias)
-        self.down_proj = nn.Linear(inter, hidden, bias=bias)
+        self.gate_proj = Linear(hidden, inter, bias=bias)
+        self.up_proj = Linear(hidden, inter, bias=bias)
+        self.down_proj = Linear(inter, hidden, bias=bias)
+        self.gate_up_proj: MergedLinear | None = None  # set by merge()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up_proj is None:
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+
+    def merge(self) -> bool:
+        """Fuse gate/up into one matmul if their kernel path allows; True if merged."""
+        self.gate_up_proj = merge_linears([self.gate_proj, self.up_proj])
+        return self.gate_up_proj is not None
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -219,15 +247,24 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = LlamaModel(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.load_report = None  # loader.LoadReport: scheme and kernel paths, set at load
         self.tie_weights()
 
     def tie_weights(self) -> None:
         """Share the embedding matrix with lm_head when the config says so (and lm_head is a
         plain linear: a quantized lm_head has its own tensors)."""
-        if self.config.tie_word_embeddings and type(self.lm_head) is nn.Linear:
+        if self.config.tie_word_embeddings and isinstance(self.lm_head, nn.Linear):
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    def merge_projections(self) -> list[str]:
+        """Fuse q/k/v and gate/up in every layer where the kernel paths allow (after loading
+        and preparing the weights); the merged kinds, vLLM's names: qkv_proj, gate_up_proj."""
+        layers = self.model.layers
+        qkv = [layer.self_attn.merge() for layer in layers]
+        gate_up = [layer.mlp.merge() for layer in layers]
+        kinds = [("qkv_proj", qkv), ("gate_up_proj", gate_up)]
+        return [kind for kind, done in kinds if done and all(done)]
 
     def forward(
         self,

@@ -35,12 +35,14 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 @dataclass(frozen=True)
 class LoadReport:
     """What loading chose: the quantization scheme, the kernel path of each kind of linear
-    (q_proj, ..., lm_head) and how many attention layers got FP8 KV scales from the checkpoint."""
+    (q_proj, ..., lm_head), the projections merged into one matmul (qkv_proj, gate_up_proj:
+    `qserve.model.merge`) and how many attention layers got FP8 KV scales from the checkpoint."""
 
     scheme: str  # "dense" or QuantScheme.describe()
     linear_paths: dict[str, str]
     num_kv_scaled_layers: int
     num_layers: int
+    merged: tuple[str, ...] = ()
 
     @property
     def has_kv_scales(self) -> bool:
@@ -67,11 +69,13 @@ def load_model(
     _assign_weights(model, state, source=str(path))
     model.model.rotary_emb.init_cache(device)
     _check_materialized(model)
+    linear_paths = prepare_quant_linears(model, dtype)
     model.load_report = LoadReport(
         scheme=config.quantization.describe() if config.quantization else "dense",
-        linear_paths=prepare_quant_linears(model, dtype),
+        linear_paths=linear_paths,
         num_kv_scaled_layers=apply_kv_scales(model, kv_scales),
         num_layers=config.num_hidden_layers,
+        merged=tuple(model.merge_projections()),
     )
     return model.eval().requires_grad_(False), config
 

@@ -28,7 +28,6 @@ import logging
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from qserve.errors import QServeError
@@ -91,13 +90,20 @@ class QuantLinear(nn.Module):
         return out.reshape(*lead, self.out_features)
 
     def _dense(self, weight: torch.Tensor, dtype: torch.dtype) -> str:
-        """Keep a dequantized weight [N, K] in `dtype` and run F.linear."""
+        """Keep a dequantized weight [N, K] in `dtype` and run it as a dense linear."""
         self.register_buffer("weight", weight.to(dtype).contiguous())
-        self._run = lambda x: F.linear(x, self.weight, self._bias(x))
+        self._run = lambda x: ops.linear(x, self.weight, self._bias(x))
         return "dequantized"
 
     def _bias(self, x: torch.Tensor) -> torch.Tensor | None:
         return None if self.bias is None else self.bias.to(x.dtype)
+
+    def _use_w4(self, w: cpu_w4a16.W4PackedCPU) -> None:
+        """Run on the C++ 4-bit kernel. `w4` / `w4_bias` stay attributes (not closed over) so
+        `qserve.model.merge` can replace them by views into a fused weight."""
+        self.w4 = w
+        self.w4_bias = None if self.bias is None else self.bias.to(torch.float32).contiguous()
+        self._run = lambda x: cpu_w4a16.w4_mm(x, self.w4, self.w4_bias)
 
     def extra_repr(self) -> str:
         return f"{self.in_features}, {self.out_features}, {self.scheme.name}, path={self.path}"
@@ -111,13 +117,6 @@ def _use_cpu_kernel(t: torch.Tensor, dtype: torch.dtype) -> bool:
 def _use_cpu_w4a16(t: torch.Tensor, bits: int) -> bool:
     """The C++ 4-bit kernel: CPU tensors, enabled and compiled (compiles on first use)."""
     return t.device.type == "cpu" and bits == 4 and cpu_w4a16.available()
-
-
-def _cpu_w4a16_runner(
-    w: cpu_w4a16.W4PackedCPU, bias: torch.Tensor | None
-) -> Callable[[torch.Tensor], torch.Tensor]:
-    b = None if bias is None else bias.to(torch.float32).contiguous()  # converted once
-    return lambda x: cpu_w4a16.w4_mm(x, w, b)
 
 
 def _on_triton(t: torch.Tensor) -> bool:
@@ -188,7 +187,7 @@ class GPTQLinear(QuantLinear):
             logger.debug("cpu_w4a16 rejected a GPTQ layer (%s)", exc)
             return False
         self._drop("qweight", "qzeros", "scales", "g_idx")
-        self._run = _cpu_w4a16_runner(w, self.bias)
+        self._use_w4(w)
         return True
 
     def _int4pack(self, g: torch.Tensor, dtype: torch.dtype) -> str:
@@ -319,7 +318,7 @@ class AWQLinear(QuantLinear):
             logger.debug("cpu_w4a16 rejected an AWQ layer (%s)", exc)
             return False
         self._drop("qweight", "qzeros", "scales")
-        self._run = _cpu_w4a16_runner(w, self.bias)
+        self._use_w4(w)
         return True
 
     def _int4pack(self, dtype: torch.dtype) -> str:
@@ -448,7 +447,7 @@ class W8Linear(QuantLinear):
         w = self.weight.to(torch.float32) * self.weight_scale  # [N, K]
         self._drop("weight")
         path = self._dense(w, dtype)
-        self._run = lambda x: F.linear(self._fake_quant_act(x), self.weight, self._bias(x))
+        self._run = lambda x: ops.linear(self._fake_quant_act(x), self.weight, self._bias(x))
         return path
 
 

@@ -4,7 +4,8 @@ RoPE and the cache write must be bit-identical (the C++ code rounds where torch 
 RMSNorm sums x^2 in another order than torch: its fp32 result differs by rounding, and a 16-bit
 output may then land one unit in the last place away, rarely. The fp8 cache write is checked
 against torch's cast on every bf16 bit pattern but NaN (finite values and both infinities),
-divided by per-tensor and per-head scales.
+divided by per-tensor and per-head scales. silu_and_mul uses its own exp (about 1 ulp off
+torch's): fp32 to rounding, 16 bit within one unit in the last place.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch
 
 from qserve.kernels import cpu_model_ops, ops
 from qserve.kernels.attention_ref import reshape_and_cache_ref
-from qserve.kernels.model_ops_ref import rms_norm_ref, rope_neox_ref
+from qserve.kernels.model_ops_ref import rms_norm_ref, rope_neox_ref, silu_and_mul_ref
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
@@ -135,6 +136,24 @@ def test_cache_write_plain_pages(cache_dtype, key_dtype):
     assert same_bits(got, want)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("M,D", [(1, 1536), (3, 13), (17, 64)])
+def test_silu_and_mul(dtype, M, D):
+    gen = torch.Generator().manual_seed(M * D)
+    x = (torch.randn(M, 2 * D, generator=gen) * 4).to(dtype)
+    x[0, :4] = torch.tensor([-100.0, -30.0, 30.0, 100.0]).to(dtype)  # exp's clamped ends
+    got, want = cpu_model_ops.silu_and_mul(x), silu_and_mul_ref(x)
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+    else:
+        torch.testing.assert_close(got, want, rtol=2**-7, atol=1e-3)  # one 16-bit ulp
+
+
+def test_silu_and_mul_strided_rows_and_dispatch():
+    x = torch.randn(4, 256)[:, :128]  # rows 256 apart: gate = cols 0-63, up = 64-127
+    torch.testing.assert_close(ops.silu_and_mul(x), silu_and_mul_ref(x), rtol=1e-6, atol=1e-7)
+
+
 def test_cache_write_rejects_a_slot_outside_the_cache():
     key = torch.randn(1, 1, 64)
     cache = torch.zeros(2, 2, 4, 1, 64)
@@ -147,6 +166,7 @@ def test_kernels_off_takes_the_references(monkeypatch):
     q, k = torch.randn(2, 64), torch.randn(2, 64)
     assert not cpu_model_ops.rope_usable(q, k)
     assert not cpu_model_ops.rms_norm_usable(q, torch.ones(64))
+    assert not cpu_model_ops.usable(q)
 
 
 def test_import_compiles_nothing():

@@ -167,6 +167,10 @@ def test_bad_block_ids_and_lengths_raise() -> None:
     too_long = torch.tensor([20, 16 * tables.shape[1] + 1], dtype=torch.int32)
     with pytest.raises(ValueError, match="seq_len"):
         cpa.paged_attention_decode(out, query, cache, tables, too_long, qsl, 0.125)
+    for bad_qsl in ([0, 1, 3], [-1, 0, 2], [0, 2, 1]):  # past the rows, negative, falling
+        with pytest.raises(ValueError, match="query_start_loc"):
+            bad = torch.tensor(bad_qsl, dtype=torch.int32)
+            cpa.paged_attention_decode(out, query, cache, tables, lens, bad, 0.125)
 
 
 def test_unsupported_head_dim_and_env_var_take_the_reference(monkeypatch) -> None:

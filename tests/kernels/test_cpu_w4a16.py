@@ -87,6 +87,54 @@ def test_awq_matches_reference(K, N, group, M):
     assert rel_err(out, ref) <= TOL[torch.bfloat16]
 
 
+@pytest.mark.parametrize("M", [1, 40])
+@pytest.mark.parametrize("act_order", [False, True])
+def test_concat_runs_the_weights_side_by_side(M, act_order):
+    """Fused q/k/v: one call on the concatenated weight equals the separate calls, and the
+    split views are the separate weights again."""
+    gen = torch.Generator().manual_seed(7)
+    perm = torch.randperm(128, generator=gen) if act_order else None
+    sizes = [64, 16, 16]
+    weights = []
+    for N in sizes:  # q, k, v share the input channels' order (one Hessian)
+        q = torch.randint(0, 16, (128, N), generator=gen)
+        zeros = torch.randint(1, 16, (4, N), generator=gen)
+        scales = torch.rand(4, N, generator=gen) * 0.02 + 0.001
+        g_idx = packing.gptq_g_idx(128, 32, perm)
+        tensors = (packing.pack_gptq_qweight(q, 4), packing.pack_gptq_qzeros(zeros, 4))
+        weights.append(cpu_w4a16.w4_from_gptq(*tensors, scales.half(), g_idx))
+    fused = cpu_w4a16.concat(weights)
+    x = torch.randn(M, 128)
+    want = torch.cat([cpu_w4a16.w4_mm(x, w) for w in weights], dim=1)
+    assert torch.equal(cpu_w4a16.w4_mm(x, fused), want)
+    for part, w in zip(cpu_w4a16.split(fused, sizes), weights, strict=True):
+        assert torch.equal(part.codes, w.codes) and torch.equal(part.zs, w.zs)
+        assert part.codes.data_ptr() != w.codes.data_ptr()  # views into the fused weight
+
+
+def test_large_batches_dequantize_in_chunks(monkeypatch):
+    qweight, qzeros, scales, g_idx = gptq_tensors(128, 200, 32, True, False, seed=3)
+    w = cpu_w4a16.w4_from_gptq(qweight, qzeros, scales, g_idx)
+    x, bias = torch.randn(40, 128), torch.randn(200)
+    whole = cpu_w4a16.w4_mm(x, w, bias)
+    monkeypatch.setattr(cpu_w4a16, "DEQUANT_CHUNK_BYTES", 4 * 8 * 128 * 3)  # 24 outputs a chunk
+    chunked = cpu_w4a16.w4_mm(x, w, bias)
+    torch.testing.assert_close(chunked, whole, rtol=1e-6, atol=1e-6)
+    ref = gptq_gemm_ref(x, qweight, qzeros, scales.float(), g_idx, 4, bias)
+    assert rel_err(chunked, ref) <= TOL[torch.float32]
+
+
+def test_concat_refuses_different_groups():
+    a = cpu_w4a16.w4_from_codes(
+        torch.zeros(64, 8, dtype=torch.int64), torch.ones(2, 8), torch.zeros(2, 8), 32
+    )
+    b = cpu_w4a16.w4_from_codes(
+        torch.zeros(64, 8, dtype=torch.int64), torch.ones(1, 8), torch.zeros(1, 8), 64
+    )
+    with pytest.raises(ValueError, match="group size"):
+        cpu_w4a16.concat([a, b])
+
+
 def test_reference_is_plain_dense_math():
     """The packed weight dequantizes to scale * (q - zero) per the GPTQ definition."""
     K, N, gs = 64, 16, 32

@@ -152,6 +152,8 @@ def fake_quant_inputs(model: torch.nn.Module, folder: Path) -> None:
             if linear_scheme.activations is not None:
                 input_scale = tensors.get(f"{module_name}.input_scale")
                 module.register_forward_pre_hook(_fake_quant_hook(linear_scheme, input_scale))
+    for layer in model.model.layers:  # the hooks fire on the modules: call them one by one
+        layer.self_attn.qkv_proj = layer.mlp.gate_up_proj = None
 
 
 def _fake_quant_hook(scheme: LinearScheme, input_scale: torch.Tensor | None):
@@ -172,10 +174,13 @@ def _fake_quant_hook(scheme: LinearScheme, input_scale: torch.Tensor | None):
 # ---------------------------------------------------------------------------------------- logits
 
 
-def prefill_logits(model: torch.nn.Module, config: ModelConfig) -> torch.Tensor:
-    """Logits of a 40-token prompt and a 9-token one, in one flat batch: [49, vocab] fp32."""
+def prefill_logits(
+    model: torch.nn.Module, config: ModelConfig, lengths: tuple[int, ...] = (40, 9)
+) -> torch.Tensor:
+    """Logits of prompts of `lengths` tokens (by default 40 and 9), in one flat batch: fp32
+    [sum(lengths), vocab]."""
     gen = torch.Generator().manual_seed(3)
-    prompts = [torch.randint(0, config.vocab_size, (n,), generator=gen).tolist() for n in (40, 9)]
+    prompts = [torch.randint(0, config.vocab_size, (n,), generator=gen).tolist() for n in lengths]
     batcher = PagedBatcher(config)
     step = batcher.step(list(enumerate(prompts)))
     with torch.inference_mode():
@@ -207,6 +212,40 @@ def test_logits_match_the_dequantized_reference(work, name, dtype, cpu_kernels, 
     got, want = prefill_logits(model, config), prefill_logits(ref_model, config)
     err = float((got - want).abs().max() / want.abs().max())
     assert err <= LOGITS_TOL[dtype], f"{name}: relative logits error {err:.2e}"
+
+
+@pytest.mark.parametrize("lengths", [(40, 9), (5, 3)], ids=["gemm", "gemv"])
+@pytest.mark.parametrize(
+    ("name", "dtype", "merged"),
+    [
+        ("gptq-act-order", torch.float32, ("qkv_proj", "gate_up_proj")),  # cpu-w4a16
+        ("awq", torch.bfloat16, ("qkv_proj", "gate_up_proj")),
+        ("int8", torch.bfloat16, ()),  # torch's int8 kernel: one call per module
+    ],
+)
+def test_merged_projections_compute_what_the_modules_compute(work, name, dtype, merged, lengths):
+    """q/k/v and gate/up fused into one matmul each (where the path allows) give the logits
+    of calling the modules one by one; their weights are views into the fused one."""
+    if name in W4_METHODS and not cpu_w4a16.available():
+        merged = ()
+    model, config = load_model(checkpoint(work, name), dtype)
+    assert model.load_report.merged == merged
+    fused = prefill_logits(model, config, lengths)
+    for layer in model.model.layers:
+        layer.self_attn.qkv_proj = layer.mlp.gate_up_proj = None
+    separate = prefill_logits(model, config, lengths)
+    torch.testing.assert_close(fused, separate, rtol=1e-5, atol=1e-5 * float(separate.abs().max()))
+
+
+def test_dense_models_merge_their_projections(work):
+    model, _ = load_model(work / "base", torch.float32)
+    assert model.load_report.merged == ("qkv_proj", "gate_up_proj")
+    attn = model.model.layers[0].self_attn
+    assert attn.k_proj.weight.data_ptr() > attn.q_proj.weight.data_ptr()  # views, in order
+    assert (
+        attn.k_proj.weight.untyped_storage().data_ptr()
+        == attn.q_proj.weight.untyped_storage().data_ptr()
+    )
 
 
 # ---------------------------------------------------------------------------------------- greedy
@@ -274,8 +313,8 @@ def test_ignored_modules_stay_dense(work, method):
         quantize_model(work / "base", out, method, ignore=("lm_head", "down_proj"), **settings)
     model, _ = load_model(out, torch.bfloat16)
     for layer in model.model.layers:
-        assert type(layer.mlp.down_proj) is torch.nn.Linear
-        assert isinstance(layer.mlp.up_proj, QuantLinear)
+        assert isinstance(layer.mlp.down_proj, torch.nn.Linear)
+        assert isinstance(layer.mlp.up_proj, QuantLinear)  # not an nn.Linear
     assert model.load_report.linear_paths["down_proj"] == "dense (not quantized)"
 
 

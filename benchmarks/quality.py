@@ -75,6 +75,7 @@ METHODS = {
         Method("baseline", "baseline", None),
         Method("rtn", "RTN w4g{g}", {"method": "rtn", **W4}),
         Method("gptq", "GPTQ w4g{g}", {"method": "gptq", **W4}),
+        Method("gptq-mse", "GPTQ w4g{g} + mse", {"method": "gptq", "mse": True, **W4}),
         Method("gptq-act", "GPTQ w4g{g} act-order", {"method": "gptq", "desc_act": True, **W4}),
         Method(
             "gptq-act-mse",

@@ -145,13 +145,15 @@ def run_qserve(
 
 
 def describe(spec: ModelSpec, engine: Any) -> dict[str, Any]:
-    """What ran: the folder, activation dtype, weight scheme and kernel path per layer kind."""
+    """What ran: the folder, activation dtype, weight scheme, kernel path per layer kind and
+    the projections merged into one matmul (qkv_proj, gate_up_proj)."""
     report = engine.load_report
     return {
         "model": spec.model,
         "dtype": str(engine.dtype).removeprefix("torch."),
         "scheme": report.scheme,
         "linear_paths": report.linear_paths,
+        "merged": list(report.merged),
     }
 
 
@@ -537,22 +539,25 @@ def format_decode(batch: str, rows: list[dict[str, Any]]) -> list[str]:
     steps = rows[0]["num_steps"] if rows else 0
     lines = [
         f"decode at batch {batch} (median of {steps} steps, engines stepped in turn)",
-        f"{'model':<22}{'dtype':>10}{'kernel':>15}{'ms/step':>9}{'tok/s':>9}{'vs bf16':>9}"
+        f"{'model':<22}{'dtype':>10}{'kernel':>15}{'lm_head':>12}{'ms/step':>9}{'tok/s':>9}"
+        f"{'vs bf16':>9}"
         f"{'cpu ms':>9}{'cpu tok/s':>11}{'vs bf16':>9}",
     ]
     for r in rows:
         lines.append(
             f"{r['label']:<22}{r['dtype']:>10}{main_path(r['linear_paths']):>15}"
-            f"{r['median_step_ms']:>9.1f}{r['tokens_per_s']:>9.2f}{fmt_ratio(r['over_bf16']):>9}"
+            f"{main_path(r['linear_paths'], 'lm_head'):>12}{r['median_step_ms']:>9.1f}"
+            f"{r['tokens_per_s']:>9.2f}{fmt_ratio(r['over_bf16']):>9}"
             f"{r['median_step_cpu_ms']:>9.1f}{r['cpu_tokens_per_s']:>11.2f}"
             f"{fmt_ratio(r['over_bf16_cpu']):>9}"
         )
     return lines
 
 
-def main_path(paths: dict[str, str]) -> str:
-    """The kernel path of the decoder's linears (q_proj stands for all but lm_head)."""
-    path = paths.get("q_proj", "dense")
+def main_path(paths: dict[str, str], kind: str = "q_proj") -> str:
+    """The kernel path of the decoder's linears (q_proj stands for all but lm_head) or of
+    `kind`."""
+    path = paths.get(kind, "dense")
     return "dense" if path.startswith("dense") else path
 
 

@@ -15,6 +15,23 @@ from qserve.errors import QServeError
 logger = logging.getLogger("qserve")
 
 
+class _GroupSize(click.ParamType):
+    """--group-size: an integer (checked by the quantizer) or "auto"."""
+
+    name = "group_size"
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> int | str:
+        if isinstance(value, int) or value == "auto":
+            return value
+        try:
+            return int(value)
+        except ValueError:
+            self.fail(f"{value!r} is not an integer or auto", param, ctx)
+
+
+GROUP_SIZE = _GroupSize()
+
+
 class _Group(click.Group):
     """Turns QServeError into one line on stderr and exit status 2, never a traceback."""
 
@@ -335,10 +352,11 @@ def eval_command(
 @click.option("--bits", default=None, type=int, help="4 or 8 (rtn/gptq); default 4 / 8 by method.")
 @click.option(
     "--group-size",
-    default=128,
+    default="auto",
     show_default=True,
-    type=int,
-    help="32, 64, 128 or -1 (per channel).",
+    type=GROUP_SIZE,
+    help="32, 64, 128, -1 (per channel) or auto (the largest of 128/64/32 dividing every "
+    "quantized linear's input size).",
 )
 @click.option("--sym/--asym", default=True, show_default=True)
 @click.option("--desc-act", is_flag=True, help="GPTQ act-order (columns by descending H diag).")

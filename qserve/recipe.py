@@ -64,7 +64,7 @@ class Quantize(_Section):
 
     method: Literal["rtn", "gptq", "awq", "int8", "fp8"]
     bits: Literal[4, 8] | None = None
-    group_size: Literal[-1, 32, 64, 128] | None = None
+    group_size: Literal[-1, 32, 64, 128, "auto"] | None = None
     sym: bool | None = None
     desc_act: bool | None = None
     damp: float | None = Field(None, ge=0, lt=1)

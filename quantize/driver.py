@@ -69,6 +69,7 @@ __all__ = [
     "METHODS",
     "SEARCH_FILE",
     "check_group_size",
+    "auto_group_size",
     "QuantizeSettings",
     "W8Weight",
     "BlockResults",
@@ -83,13 +84,16 @@ SEARCH_FILE = "qserve/search_scales.safetensors"  # AWQ / SmoothQuant search, in
 Progress = Callable[[int, int, float], None]  # (blocks done, total blocks, seconds left)
 
 
+GROUP_SIZES = (128, 64, 32)  # what the formats and kernels take; "auto" picks the largest fitting
+
+
 @dataclasses.dataclass(frozen=True)
 class QuantizeSettings:
     """What to quantize and how; checked once in __post_init__."""
 
     method: str = "gptq"
     bits: int = 4
-    group_size: int = 128
+    group_size: int | str = 128  # "auto": resolved per model by `auto_group_size`
     sym: bool = True
     desc_act: bool = False
     damp: float = 0.01
@@ -112,8 +116,10 @@ class QuantizeSettings:
             raise QServeError(f"{m} supports bits 4 or 8, got {self.bits}", "bits")
         if m == "awq" and (self.bits != 4 or self.group_size == -1):
             raise QServeError("awq supports bits 4 with a group_size (32, 64, 128)", "bits")
-        if m in ("rtn", "gptq", "awq") and self.group_size not in (-1, 32, 64, 128):
-            raise QServeError(f"group_size must be -1, 32, 64 or 128, got {self.group_size}")
+        if m in ("rtn", "gptq", "awq") and self.group_size not in (-1, *GROUP_SIZES, "auto"):
+            raise QServeError(
+                f"group_size must be -1, 32, 64, 128 or auto, got {self.group_size}", "group_size"
+            )
         if self.weight_strategy not in ("channel", "tensor"):
             raise QServeError("weight_strategy must be 'channel' or 'tensor'", "weight_strategy")
         if self.activation_scheme not in ("dynamic", "static"):
@@ -188,7 +194,7 @@ def quantize_model(
     output_dir: str | Path,
     method: str = "gptq",
     bits: int = 4,
-    group_size: int = 128,
+    group_size: int | str = "auto",
     sym: bool = True,
     desc_act: bool = False,
     damp: float = 0.01,
@@ -214,6 +220,8 @@ def quantize_model(
 ) -> Path:
     """Quantize the HF model folder `model_path` into a checkpoint folder `output_dir`.
 
+    `group_size` "auto": the largest of 128, 64, 32 that divides every quantized linear's input
+    size (128 for most models, 64 for SmolLM2's hidden size 576).
     `calib`: a .txt / .jsonl file, or None for the bundled Moby-Dick chapters. `ignore`: module
     names (exact, a dotted suffix, or "re:<regex>") left unquantized. `dtype`: of the tensors left
     in floating point (default float16 for GPTQ/AWQ formats, bfloat16 for int8/fp8). AWQ is
@@ -261,7 +269,10 @@ def quantize_model(
     export.check_output_dir(output_dir, overwrite)
     if not Path(model_path, "config.json").is_file():
         raise QServeError(f"{model_path} is not a model folder (no config.json)", param="model")
-    spec = arch_spec(AutoConfig.from_pretrained(model_path).model_type)
+    config = AutoConfig.from_pretrained(model_path)
+    spec = arch_spec(config.model_type)
+    if settings.group_size == "auto":
+        settings = dataclasses.replace(settings, group_size=auto_group_size(config, spec, settings))
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     loaded = _calibration_model(model_path, spec, offload_dir, output_dir, settings, out_dtype)
     with loaded as (model, blocks):
@@ -348,6 +359,29 @@ def check_group_size(model: nn.Module, spec: ArchSpec, settings: QuantizeSetting
     K = model.get_output_embeddings().in_features
     if settings.quantize_lm_head and K % gs:
         raise _group_size_error(gs, "lm_head", K)
+
+
+def auto_group_size(config: Any, spec: ArchSpec, settings: QuantizeSettings) -> int:
+    """The largest of GROUP_SIZES that divides the input size of every linear `settings` would
+    quantize in the model of `config` (built on the meta device: no weights are read)."""
+    if settings.method not in ("rtn", "gptq", "awq"):
+        return GROUP_SIZES[0]  # int8 / fp8 are per channel or per tensor: not read
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+
+    with init_empty_weights():
+        model = AutoModelForCausalLM.from_config(config)
+    for gs in GROUP_SIZES:
+        try:
+            check_group_size(model, spec, dataclasses.replace(settings, group_size=gs))
+        except QServeError:
+            continue
+        return gs
+    raise QServeError(
+        "no group size of 128, 64 or 32 divides every quantized linear's input size; "
+        "use --group-size -1 (per channel)",
+        param="group_size",
+    )
 
 
 def _group_size_error(group_size: int, name: str, K: int) -> QServeError:

@@ -248,6 +248,30 @@ def test_group_size_must_divide_in_features(tmp_path: Path) -> None:
     quantize_model(model, tmp_path / "o", method="rtn", group_size=64, ignore=["down_proj"])
 
 
+def test_auto_group_size_is_the_largest_that_divides(tmp_path: Path) -> None:
+    from tests.tiny import save_tiny_llama
+
+    def written(out: Path) -> int:
+        return json.loads((out / "config.json").read_text())["quantization_config"]["group_size"]
+
+    model = save_tiny_llama(tmp_path / "m")  # hidden 64, intermediate 160: 32 divides both
+    quantize_model(model, tmp_path / "a", method="rtn", group_size="auto")
+    assert written(tmp_path / "a") == 32
+    quantize_model(model, tmp_path / "b", method="rtn", ignore=["lm_head", "down_proj"])
+    assert written(tmp_path / "b") == 64  # the default is auto; down_proj (160) left dense
+    odd = tmp_path / "odd"  # the group size is chosen from config.json alone, before weights
+    odd.mkdir()
+    config = json.loads((model / "config.json").read_text())
+    config.update(hidden_size=72, intermediate_size=144, num_attention_heads=2)
+    config.update(num_key_value_heads=2, head_dim=36)
+    (odd / "config.json").write_text(json.dumps(config))
+    with pytest.raises(QServeError, match="no group size of 128, 64 or 32 divides"):
+        quantize_model(odd, tmp_path / "c", method="rtn", group_size="auto")
+    with pytest.raises(QServeError, match="group_size must be -1, 32, 64, 128 or auto"):
+        quantize_model(model, tmp_path / "c", method="rtn", group_size=48)
+    assert not (tmp_path / "c").exists()
+
+
 def test_mistral_wide_heads_awq(tmp_path: Path) -> None:
     model = make_tiny_model(tmp_path / "mistral", model_type="mistral")
     saved = tmp_path / "awq.safetensors"
@@ -347,3 +371,17 @@ def _lm_head(base: Path) -> torch.Tensor:
 def test_quantize_lm_head_needs_the_gptq_format(tiny_llama: Path, tmp_path: Path) -> None:
     with pytest.raises(QServeError, match="quantize_lm_head is supported for rtn and gptq"):
         quantize_model(tiny_llama, tmp_path / "q", method="awq", quantize_lm_head=True)
+
+
+def test_cli_group_size_takes_auto_and_refuses_words(tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from qserve.cli import cli
+    from tests.tiny import save_tiny_llama
+
+    model = save_tiny_llama(tmp_path / "m")
+    args = ["quantize", str(model), "-m", "rtn", "-q", "-o"]
+    ok = CliRunner().invoke(cli, [*args, str(tmp_path / "o"), "--group-size", "auto"])
+    assert ok.exit_code == 0, ok.output
+    bad = CliRunner().invoke(cli, [*args, str(tmp_path / "x"), "--group-size", "big"])
+    assert bad.exit_code == 2 and "'big' is not an integer or auto" in bad.output

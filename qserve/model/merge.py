@@ -23,16 +23,7 @@ from torch import nn
 from qserve.kernels import cpu_w4a16, ops
 from qserve.model.quant import QuantLinear
 
-
-class MergedLinear:
-    """x [T, K] -> [T, sum(out_features)]: the outputs of the merged modules side by side."""
-
-    def __init__(self, run: Callable[[torch.Tensor], torch.Tensor], out_features: list[int]):
-        self._run = run
-        self.out_features = out_features
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self._run(x)
+MergedLinear = Callable[[torch.Tensor], torch.Tensor]  # x [T, K] -> [T, sum of the outputs]
 
 
 def merge_linears(linears: list[nn.Module]) -> MergedLinear | None:
@@ -50,9 +41,9 @@ def _merge_dense(linears: list[nn.Linear]) -> MergedLinear | None:
     weights = [m.weight for m in linears]
     if len({(w.dtype, w.device) for w in weights}) != 1:
         return None
-    biases = _merged_bias([m.bias for m in linears])
-    if biases is False:
+    if _mixed_bias([m.bias for m in linears]):
         return None
+    biases = _cat_bias([m.bias for m in linears])
     weight = torch.cat([w.detach() for w in weights])
     sizes = [m.out_features for m in linears]
     for m, view in zip(linears, weight.split(sizes), strict=True):
@@ -60,13 +51,13 @@ def _merge_dense(linears: list[nn.Linear]) -> MergedLinear | None:
     if biases is not None:
         for m, view in zip(linears, biases.split(sizes), strict=True):
             m.bias = nn.Parameter(view, requires_grad=False)
-    return MergedLinear(lambda x: ops.linear(x, weight, biases), sizes)
+    return lambda x: ops.linear(x, weight, biases)
 
 
 def _merge_w4(linears: list[QuantLinear]) -> MergedLinear | None:
-    biases = _merged_bias([m.w4_bias for m in linears])
-    if biases is False:
+    if _mixed_bias([m.w4_bias for m in linears]):
         return None
+    biases = _cat_bias([m.w4_bias for m in linears])
     try:
         w = cpu_w4a16.concat([m.w4 for m in linears])
     except ValueError:  # different groups or act-order permutations
@@ -77,14 +68,13 @@ def _merge_w4(linears: list[QuantLinear]) -> MergedLinear | None:
     if biases is not None:
         for m, view in zip(linears, biases.split(sizes), strict=True):
             m.w4_bias = view
-    return MergedLinear(lambda x: cpu_w4a16.w4_mm(x, w, biases), sizes)
+    return lambda x: cpu_w4a16.w4_mm(x, w, biases)
 
 
-def _merged_bias(biases: list[torch.Tensor | None]) -> torch.Tensor | None | bool:
-    """The concatenated biases, None if no module has one, False if only some do."""
-    present = [b is not None for b in biases]
-    if not any(present):
-        return None
-    if not all(present):
-        return False
-    return torch.cat([b.detach() for b in biases])
+def _mixed_bias(biases: list[torch.Tensor | None]) -> bool:
+    """Some modules have a bias and some not: their outputs do not merge."""
+    return len({b is None for b in biases}) > 1
+
+
+def _cat_bias(biases: list[torch.Tensor | None]) -> torch.Tensor | None:
+    return None if biases[0] is None else torch.cat([b.detach() for b in biases])

@@ -111,7 +111,9 @@ def dequantized(tensors: dict[str, torch.Tensor], prefix: str, scheme: LinearSch
         args = (t["qweight"], t["qzeros"], t["scales"].float(), t["g_idx"], scheme.bits)
         return packing.dequantize_gptq(*args)
     if scheme.format == "awq":
-        return packing.dequantize_awq(t["qweight"], t["qzeros"], t["scales"].float(), 32)
+        return packing.dequantize_awq(
+            t["qweight"], t["qzeros"], t["scales"].float(), scheme.group_size
+        )
     scale = t["weight_scale"].float()
     return t["weight"].float() * (scale.reshape(-1, 1) if scale.numel() > 1 else scale)
 

@@ -406,3 +406,8 @@ def test_engine_start_up_names_the_recipe_that_made_the_checkpoint(tmp_path, cap
     with caplog.at_level(logging.INFO, logger="qserve"):
         LLM(str(folder), dtype="float32", kv_cache_memory="1MiB")
     assert "recipe cpu-int8" in caplog.text
+    caplog.clear()
+    write_provenance(folder, None, {"method": "int8"})  # quantized without a recipe
+    with caplog.at_level(logging.INFO, logger="qserve"):
+        LLM(str(folder), dtype="float32", kv_cache_memory="1MiB")
+    assert "(made by qserve quantize)" in caplog.text and "recipe None" not in caplog.text

@@ -132,7 +132,10 @@ class LLMEngine:
         )
         report = self.load_report
         made_by = read_provenance(path)
-        recipe = f" (made by qserve quantize, recipe {made_by['recipe']})" if made_by else ""
+        recipe = ""
+        if made_by:
+            named = f", recipe {made_by['recipe']}" if made_by.get("recipe") else ""
+            recipe = f" (made by qserve quantize{named})"
         logger.info("weights: %s%s", report.scheme, recipe)
         for kind, kernel in report.linear_paths.items():
             logger.info("  %-10s %s", kind, kernel)

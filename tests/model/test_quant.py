@@ -360,6 +360,7 @@ def test_startup_log_names_the_scheme_and_kernel_paths(work, caplog):
     assert "weights: fp8: fp8 w8a8 (static activations)" in caplog.text
     assert "q_proj     dequantized" in caplog.text
     assert "lm_head    dense (not quantized)" in caplog.text
+    assert "merged into one matmul" not in caplog.text  # the dequantized path keeps its calls
     assert "FP8 KV pages: k_scale/v_scale from the checkpoint" in caplog.text
     assert "without calibrated scales" not in caplog.text
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)

@@ -123,11 +123,21 @@ def rms_norm_unchecked(
     return out if residual is None else (out, residual)
 
 
+def silu_and_mul_usable(x: torch.Tensor) -> bool:
+    """`silu_and_mul` takes this: CPU rows [M, 2D] with a contiguous last dim."""
+    return _rows(x) and x.shape[1] % 2 == 0 and usable(x)
+
+
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """Same contract as `silu_and_mul_ref`: x [M, 2D] (gate | up) -> [M, D]; exp differs from
     torch's by about 1 ulp, so an output can be one unit in the last place off."""
-    if not (_rows(x) and usable(x)) or x.shape[1] % 2:
+    if not silu_and_mul_usable(x):
         raise ValueError("silu_and_mul: CPU rows [M, 2D] with a contiguous last dim")
+    return silu_and_mul_unchecked(x)
+
+
+def silu_and_mul_unchecked(x: torch.Tensor) -> torch.Tensor:
+    """`silu_and_mul` for an x `silu_and_mul_usable` accepted (the dispatcher checks once)."""
     M, D = x.shape[0], x.shape[1] // 2
     out = torch.empty(M, D, dtype=x.dtype)
     status = load_library().qserve_silu_and_mul(

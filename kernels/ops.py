@@ -124,8 +124,8 @@ def rms_norm(
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x [M, 2D] (the fused gate/up output) -> silu(x[:, :D]) * x[:, D:], vLLM's activation:
     the C++ op on CPU, torch elsewhere (no Triton kernel: torch on CUDA)."""
-    if x.is_cpu and x.dim() == 2 and x.stride(-1) == 1 and cpu_model_ops.usable(x):
-        return cpu_model_ops.silu_and_mul(x)
+    if cpu_model_ops.silu_and_mul_usable(x):
+        return cpu_model_ops.silu_and_mul_unchecked(x)
     return silu_and_mul_ref(x)
 
 

@@ -76,7 +76,13 @@ METHODS = {
         Method("rtn", "RTN w4g{g}", {"method": "rtn", **W4}),
         Method("gptq", "GPTQ w4g{g}", {"method": "gptq", **W4}),
         Method("gptq-mse", "GPTQ w4g{g} + mse", {"method": "gptq", "mse": True, **W4}),
+        Method("gptaq", "GPTAQ w4g{g}", {"method": "gptq", "gptaq": True, **W4}),
         Method("gptq-act", "GPTQ w4g{g} act-order", {"method": "gptq", "desc_act": True, **W4}),
+        Method(
+            "gptaq-act",
+            "GPTAQ w4g{g} act-order",
+            {"method": "gptq", "gptaq": True, "desc_act": True, **W4},
+        ),
         Method(
             "gptq-act-mse",
             "GPTQ w4g{g} act-order + mse",
@@ -88,10 +94,17 @@ METHODS = {
         Method("fp8-gptq", "FP8 W8A8 GPTQ", {"method": "fp8", "bits": 8, "gptq_weights": True}),
         Method("fp8-kv", "FP8 KV (e4m3)", None, kv_cache_dtype="fp8_e4m3"),
         Method("gptqmodel", "gptqmodel 7.6.0 GPTQ w4g{g}", W4, tool="gptqmodel"),
+        Method(
+            "gptqmodel-gptaq",
+            "gptqmodel 7.6.0 GPTAQ w4g{g}",
+            {"gptaq": True, **W4},
+            tool="gptqmodel",
+        ),
         Method("autoawq", "autoawq 0.2.9 AWQ w4g{g}", {}, tool="autoawq"),
     ]
 }
-THIRD_PARTY = {"gptqmodel": "gptqmodel", "autoawq": "awq"}  # method -> the module it imports
+# method -> the module it imports
+THIRD_PARTY = {"gptqmodel": "gptqmodel", "gptqmodel-gptaq": "gptqmodel", "autoawq": "awq"}
 
 
 @dataclass
@@ -336,7 +349,8 @@ def recovery(rows: dict[str, Row]) -> dict[str, float]:
     if base is None or rtn is None or rtn.perplexity <= base.perplexity:
         return {}
     gap = rtn.perplexity - base.perplexity
-    names = [n for n in ("gptq", "gptq-act", "awq", "gptqmodel", "autoawq") if n in rows]
+    names = [n for n in rows if n not in ("baseline", "rtn") and rows[n].quant_seconds is not None]
+    names = [n for n in names if n.startswith(("gptq", "gptaq", "awq", "autoawq"))]
     return {n: (rtn.perplexity - rows[n].perplexity) / gap for n in names}
 
 

@@ -72,9 +72,16 @@ def gptqmodel_quantize(
     desc_act: bool = False,
     damp: float = 0.01,
     sym: bool = True,
+    gptaq: bool = False,
 ) -> float:
-    """GPTQ with gptqmodel on calibration ids [S, T]; writes a GPTQ v1 checkpoint to `out`."""
+    """GPTQ with gptqmodel on calibration ids [S, T]; writes a GPTQ v1 checkpoint to `out`.
+    `gptaq`: its GPTAQ variant (alpha 0.25, statistics on the CPU)."""
     gptqmodel = import_gptqmodel()
+    extra = {}
+    if gptaq:
+        from gptqmodel.quantization.config import GPTAQConfig
+
+        extra["gptaq"] = GPTAQConfig(alpha=0.25, device="cpu")
     config = gptqmodel.QuantizeConfig(
         bits=bits,
         group_size=group_size,
@@ -82,6 +89,7 @@ def gptqmodel_quantize(
         sym=sym,
         damp_percent=damp,
         pack_impl="original",
+        **extra,
     )
     samples = [{"input_ids": row.tolist(), "attention_mask": [1] * len(row)} for row in input_ids]
     start = time.monotonic()

@@ -368,6 +368,11 @@ def eval_command(
     help="GPTQ without --desc-act: visit whole groups by importance (GPTQModel's default).",
 )
 @click.option(
+    "--gptaq",
+    is_flag=True,
+    help="GPTQ: fit each layer to the float model's output (GPTAQ asymmetric calibration).",
+)
+@click.option(
     "--damp",
     default=0.01,
     show_default=True,

@@ -71,6 +71,7 @@ class Quantize(_Section):
     static_groups: bool | None = None
     mse: bool | None = None
     act_group_aware: bool | None = None
+    gptaq: bool | None = None  # gptq: asymmetric calibration (the float model's outputs)
     quantize_lm_head: bool | None = None
     calib: str | None = None  # .txt / .jsonl; None: the bundled text
     num_samples: int | None = Field(None, ge=1)
@@ -266,6 +267,7 @@ _OPTION_METHODS = {
     "static_groups": ("gptq",),
     "mse": ("gptq",),
     "act_group_aware": ("gptq",),
+    "gptaq": ("gptq",),
     "quantize_lm_head": ("rtn", "gptq"),
     "sym": ("rtn", "gptq"),
     "smooth_alpha": ("int8",),

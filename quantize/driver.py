@@ -35,6 +35,7 @@ Methods and their formats:
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import inspect
 import re
@@ -54,7 +55,12 @@ from qserve.quantize.awq import rescale_stats, search_clip, search_scale
 from qserve.quantize.calibration import calibration_windows, load_calibration_text
 from qserve.quantize.fold import ScaleResult, apply_scales, clip_weight
 from qserve.quantize.fp8 import dequantize_fp8, fp8_input_scale, quantize_fp8
-from qserve.quantize.gptq import accumulate_hessian, gptq_quantize, gptq_w8_quantize
+from qserve.quantize.gptq import (
+    accumulate_dxxt,
+    accumulate_hessian,
+    gptq_quantize,
+    gptq_w8_quantize,
+)
 from qserve.quantize.kv_scales import KVObserver, check_kv_cache_dtype, kv_scale
 from qserve.quantize.rtn import QuantizedWeight, rtn_quantize
 from qserve.quantize.smoothquant import (
@@ -100,6 +106,8 @@ class QuantizeSettings:
     static_groups: bool = False
     mse: bool = False  # gptq: MSE grid search of each group's range
     act_group_aware: bool = True  # gptq without desc_act: group-aware order (GPTQModel's default)
+    gptaq: bool = False  # gptq: GPTAQ's asymmetric target (the full-precision model's outputs)
+    gptaq_alpha: float = 0.25
     quantize_lm_head: bool = False  # rtn / gptq: lm_head too, by the same method ("lm_head": true)
     ignore: tuple[str, ...] = ("lm_head",)
     smooth_alpha: float = 0.5  # SmoothQuant; <= 0 turns smoothing off
@@ -129,6 +137,8 @@ class QuantizeSettings:
                 f"quantize_lm_head is supported for rtn and gptq (the GPTQ format), not {m}",
                 "quantize_lm_head",
             )
+        if self.gptaq and m != "gptq":
+            raise QServeError(f"gptaq is a variant of gptq, not of {m}", "gptaq")
         if not 0 <= self.damp < 1:
             raise QServeError(f"damp must be in [0, 1), got {self.damp}", "damp")
         check_kv_cache_dtype(self.kv_cache_dtype)
@@ -201,6 +211,8 @@ def quantize_model(
     static_groups: bool = False,
     mse: bool = False,
     act_group_aware: bool = True,
+    gptaq: bool = False,
+    gptaq_alpha: float = 0.25,
     quantize_lm_head: bool = False,
     calib: str | Path | None = None,
     num_samples: int = 128,
@@ -231,6 +243,9 @@ def quantize_model(
     `mse` (gptq): search each group's range (GPTQ's MSE grid) instead of taking min / max.
     `act_group_aware` (gptq without desc_act): visit whole groups in Group Aware Reordering
     order (GPTQModel's default); the checkpoint keeps consecutive groups (no g_idx permutation).
+    `gptaq` (gptq): GPTAQ's asymmetric calibration: each linear is fitted to the full-precision
+    model's output on the full-precision inputs, from the inputs the quantized model gives it,
+    with weight `gptaq_alpha` on the correction (0.25, as GPTQModel).
     `quantize_lm_head` (rtn, gptq): lm_head is quantized too, by the same method, bits and groups
     (GPTQ on the final-norm hidden states; untied from the embeddings, which stay in floating
     point); the config says "lm_head": true, as GPTQModel writes it and vLLM reads it.
@@ -256,6 +271,8 @@ def quantize_model(
         static_groups=static_groups,
         mse=mse,
         act_group_aware=act_group_aware,
+        gptaq=gptaq,
+        gptaq_alpha=gptaq_alpha,
         quantize_lm_head=quantize_lm_head,
         ignore=tuple(ignore),
         smooth_alpha=smooth_alpha,
@@ -444,6 +461,7 @@ def quantize_blocks(
     X, kwargs = (
         _capture_block_inputs(model, blocks[0], input_ids) if input_ids is not None else ([], {})
     )
+    X_fp = list(X) if settings.gptaq else None  # GPTAQ: the full-precision model's stream
     results = BlockResults()
     start = time.monotonic()
     for b, block in enumerate(blocks):
@@ -452,9 +470,14 @@ def quantize_blocks(
             offloaded.load(block, prefix)
         with _working_device(block, device):
             X, kwargs = _to_device(X, device), _to_device(kwargs, device)
-            ctx = _BlockContext(block, prefix, spec, settings, X, kwargs)
+            reference = None
+            if X_fp is not None:
+                reference = _Reference.run(block, spec, _to_device(X_fp, device), kwargs)
+                X_fp = reference.outputs
+            ctx = _BlockContext(block, prefix, spec, settings, X, kwargs, reference)
             done = BlockResults(_to_device(_quantize_block(ctx, scales), "cpu"))
             X, kv_absmax = _block_outputs(ctx, last=b == len(blocks) - 1)
+            del ctx, reference
             if kv_absmax is not None:
                 done.kv_absmax[prefix + spec.attention] = _to_device(kv_absmax, "cpu")
         if offloaded is None:
@@ -465,7 +488,8 @@ def quantize_blocks(
             elapsed = time.monotonic() - start
             progress(b + 1, len(blocks), elapsed / (b + 1) * (len(blocks) - b - 1))
     if settings.quantize_lm_head:
-        results.linears["lm_head"] = _quantize_lm_head(model, settings, _to_device(X, "cpu"))
+        X, X_fp = _to_device(X, "cpu"), _to_device(X_fp, "cpu")
+        results.linears["lm_head"] = _quantize_lm_head(model, settings, X, X_fp)
     return results
 
 
@@ -616,6 +640,7 @@ class _BlockContext:
     s: QuantizeSettings
     X: list[Tensor]
     kwargs: dict[str, Any]
+    reference: _Reference | None = None  # GPTAQ: the full-precision model's side
 
     @property
     def names(self) -> list[str]:
@@ -625,15 +650,94 @@ class _BlockContext:
     def linear(self, name: str) -> nn.Linear:
         return self.block.get_submodule(name)
 
+    def _owners(self, names: Iterable[str]) -> dict[str, str]:
+        """Each linear -> the first of its sequential group (the group's linears share inputs)."""
+        return {n: next(g for g in self.spec.sequential if n in g)[0] for n in names}
+
     def collect(self, names: Iterable[str], step: Callable[[Any, Tensor], Any]) -> dict[str, Any]:
         """Accumulate the inputs of the named linears over X with `step`. Linears of one
         sequential group read the same input: it is accumulated once, for the first of them."""
-        owner = {n: next(g for g in self.spec.sequential if n in g)[0] for n in names}
+        owner = self._owners(names)
         if not owner:
             return {}
         modules = {o: self.linear(o) for o in set(owner.values())}
         acc = _collect(self.block, modules, self.X, self.kwargs, step)
         return {n: acc[o] for n, o in owner.items()}
+
+    def collect_paired(
+        self, names: Iterable[str], step: Callable[[Any, Tensor, Tensor], Any]
+    ) -> dict[str, Any]:
+        """As `collect`, with each input paired with the full-precision model's input to the
+        same linear at the same tokens (`reference` must be set)."""
+        assert self.reference is not None
+        owner = self._owners(names)
+        if not owner:
+            return {}
+        owners = set(owner.values())
+        modules = {o: self.linear(o) for o in owners}
+        acc: dict[str, Any] = dict.fromkeys(owners)
+        for i, x in enumerate(self.X):
+            native = self.reference.inputs(i, owners)
+
+            def paired(name: str, a: Any, v: Tensor, native: dict[str, Tensor] = native) -> Any:
+                return step(a, v, native[name])
+
+            acc = _collect(self.block, modules, [x], self.kwargs, None, acc, paired)
+        return {n: acc[o] for n, o in owner.items()}
+
+
+REFERENCE_CACHE_BYTES = 1 << 30  # GPTAQ keeps the float inputs of a block's linears up to this
+
+
+@dataclasses.dataclass
+class _Reference:
+    """GPTAQ's full-precision side of one block: a copy of the block before quantization, its
+    inputs X from the float model, its outputs (the next block's X), and the inputs of the
+    block's linears (one dict per sample; kept when they fit REFERENCE_CACHE_BYTES, else
+    recomputed per sequential group)."""
+
+    block: nn.Module
+    X: list[Tensor]
+    kwargs: dict[str, Any]
+    outputs: list[Tensor]
+    cached: list[dict[str, Tensor]] | None
+
+    @classmethod
+    def run(
+        cls, block: nn.Module, spec: ArchSpec, X: list[Tensor], kwargs: dict[str, Any]
+    ) -> _Reference:
+        """One float pass over X that gives the outputs and, within budget, the inputs."""
+        fp_block = copy.deepcopy(block)
+        owners = {g[0]: fp_block.get_submodule(g[0]) for g in spec.sequential}
+        width = sum(m.weight.shape[1] for m in owners.values())
+        keep = sum(x.numel() // x.shape[-1] for x in X) * width * 4 <= REFERENCE_CACHE_BYTES
+        cached: list[dict[str, Tensor]] = []
+        seen: dict[str, Tensor] = {}
+
+        def hook(name: str) -> Callable[..., None]:
+            def fn(module: nn.Module, args: tuple[Tensor, ...]) -> None:
+                seen[name] = args[0].detach()
+
+            return fn
+
+        handles = [m.register_forward_pre_hook(hook(n)) for n, m in owners.items()] if keep else []
+        outputs = []
+        try:
+            for x in X:
+                outputs.append(fp_block(x, **kwargs))
+                if keep:
+                    cached.append(dict(seen))
+        finally:
+            for h in handles:
+                h.remove()
+        return cls(fp_block, X, kwargs, outputs, cached if keep else None)
+
+    def inputs(self, i: int, owners: Iterable[str]) -> dict[str, Tensor]:
+        """The float inputs of the named linears for sample i."""
+        if self.cached is not None:
+            return self.cached[i]
+        modules = {o: self.block.get_submodule(o) for o in owners}
+        return _collect(self.block, modules, [self.X[i]], self.kwargs, lambda _, v: v)
 
 
 def _gptq_block(ctx: _BlockContext) -> dict[str, QuantizedWeight]:
@@ -641,12 +745,17 @@ def _gptq_block(ctx: _BlockContext) -> dict[str, QuantizedWeight]:
     s, out = ctx.s, {}
     for group in ctx.spec.sequential:
         group = [n for n in group if n in ctx.names]
-        for n, (H, _) in ctx.collect(group, _hessian_step).items():
+        if ctx.reference is not None:
+            stats = ctx.collect_paired(group, _gptaq_step)
+        else:
+            stats = {n: (h, None) for n, h in ctx.collect(group, _hessian_step).items()}
+        for n, ((H, _), dxxt) in stats.items():
             W = ctx.linear(n).weight.data
             qw = gptq_quantize(
                 W, H, s.bits, s.group_size, s.sym, s.damp,
                 desc_act=s.desc_act, static_groups=s.static_groups, min_zero=s.min_zero,
                 mse=s.mse, act_group_aware=s.act_group_aware,
+                dXXT=dxxt[0] if dxxt is not None else None, gptaq_alpha=s.gptaq_alpha,
             )  # fmt: skip
             out[n] = _set_weight(ctx.linear(n), qw)
     return out
@@ -754,6 +863,12 @@ def _hessian_step(acc: tuple[Tensor | None, int] | None, x: Tensor) -> tuple[Ten
     return accumulate_hessian(H, n, x)
 
 
+def _gptaq_step(acc: Any, x: Tensor, x_fp: Tensor) -> tuple[tuple[Tensor, int], tuple[Tensor, int]]:
+    """((H, tokens), (dXXT, tokens)): GPTAQ's statistics of a linear's inputs."""
+    (H, n), (D, _) = acc if acc is not None else ((None, 0), (None, 0))
+    return accumulate_hessian(H, n, x), accumulate_dxxt(D, n, x, x_fp)
+
+
 def _absmax_step(acc: Tensor | None, x: Tensor) -> Tensor:
     m = activation_absmax(x)
     return m if acc is None else torch.maximum(acc, m)
@@ -771,19 +886,23 @@ def _collect(
     linears: dict[str, nn.Module],
     X: list[Tensor],
     kwargs: dict[str, Any],
-    step: Callable[[Any, Tensor], Any],
+    step: Callable[[Any, Tensor], Any] | None,
+    start: dict[str, Any] | None = None,
+    named_step: Callable[[str, Any, Tensor], Any] | None = None,
 ) -> dict[str, Any]:
-    """Run X through `block`, folding each linear's inputs into an accumulator with `step`.
+    """Run X through `block`, folding each linear's inputs into an accumulator with `step`
+    (or `named_step`, which is also given the linear's name), starting from `start`.
 
     The forward of a sample stops as soon as every hooked linear has seen its input (the rest
     of the block is not needed): pre-hooks, so a linear's own matmul is skipped too.
     """
-    acc: dict[str, Any] = dict.fromkeys(linears)
+    acc: dict[str, Any] = dict(start) if start is not None else dict.fromkeys(linears)
     seen: set[str] = set()
+    fold = named_step if named_step is not None else (lambda _, a, v: step(a, v))
 
     def hook(name: str) -> Callable[..., None]:
         def fn(module: nn.Module, args: tuple[Tensor, ...]) -> None:
-            acc[name] = step(acc[name], args[0].detach())
+            acc[name] = fold(name, acc[name], args[0].detach())
             seen.add(name)
             if len(seen) == len(linears):
                 raise _StopForward
@@ -912,9 +1031,12 @@ def _export_outside_blocks(
 
 
 @torch.no_grad()
-def _quantize_lm_head(model: nn.Module, s: QuantizeSettings, X: list[Tensor]) -> QuantizedWeight:
+def _quantize_lm_head(
+    model: nn.Module, s: QuantizeSettings, X: list[Tensor], X_fp: list[Tensor] | None = None
+) -> QuantizedWeight:
     """lm_head [vocab, hidden] quantized like the blocks' linears: GPTQ (with the Hessian of the
-    final-norm hidden states of the calibration samples, the last block's outputs X) or RTN.
+    final-norm hidden states of the calibration samples, the last block's outputs X; GPTAQ's
+    statistics too when the float model's X_fp are given) or RTN.
     It is untied from the input embeddings first: those stay in floating point, and the config
     then says tie_word_embeddings false."""
     head = model.get_output_embeddings()
@@ -924,13 +1046,15 @@ def _quantize_lm_head(model: nn.Module, s: QuantizeSettings, X: list[Tensor]) ->
     if not s.lm_head_needs_inputs:
         return _set_weight(head, rtn_quantize(head.weight, s.bits, s.group_size, s.sym, s.min_zero))
     norm = model.get_decoder().norm
-    H, n = None, 0
-    for x in X:
+    H, D, n = None, None, 0
+    for i, x in enumerate(X):
+        if X_fp is not None:
+            D, _ = accumulate_dxxt(D, n, norm(x), norm(X_fp[i]))
         H, n = accumulate_hessian(H, n, norm(x))
     qw = gptq_quantize(
         head.weight, H, s.bits, s.group_size, s.sym, s.damp,
         desc_act=s.desc_act, static_groups=s.static_groups, min_zero=s.min_zero,
-        mse=s.mse, act_group_aware=s.act_group_aware,
+        mse=s.mse, act_group_aware=s.act_group_aware, dXXT=D, gptaq_alpha=s.gptaq_alpha,
     )  # fmt: skip
     return _set_weight(head, qw)
 

@@ -9,6 +9,15 @@ Columns are visited in blocks of `block_size`: the error is spread inside the bl
 the rest of the matrix lazily, once per block (the "lazy batch update"). With `desc_act` the
 columns are visited in order of descending diag(H); `g_idx` then records the group of each
 ORIGINAL input channel, as the GPTQ checkpoint format expects. Weights are W [N, K] (nn.Linear).
+
+GPTAQ (Li et al., 2025, "asymmetric calibration"): the target is the full-precision model's
+output W X, not W X~ on the inputs X~ that the already-quantized layers produce. With
+dXXT = 2/n * sum (x - x~) x~^T it adds, to the update of the columns not yet quantized,
+
+    P     = alpha * triu(dXXT Hinv^T, 1) Hinv   (alpha = 0.25, as GPTQModel)
+    W[:, j>i] += w_i P[i, j>i]                  w_i: column i as it stands when quantized
+
+so the remaining columns also make up for the drift of the inputs. dXXT = 0 is plain GPTQ.
 """
 
 from __future__ import annotations
@@ -29,7 +38,14 @@ from qserve.quantize.rtn import (
 )
 from qserve.quantize.smoothquant import quantize_int8
 
-__all__ = ["accumulate_hessian", "gptq_w8_quantize", "gptq_quantize", "group_aware_order"]
+__all__ = [
+    "accumulate_dxxt",
+    "accumulate_hessian",
+    "gptaq_correction",
+    "gptq_w8_quantize",
+    "gptq_quantize",
+    "group_aware_order",
+]
 
 
 def accumulate_hessian(H: Tensor | None, n: int, X: Tensor) -> tuple[Tensor, int]:
@@ -45,6 +61,25 @@ def accumulate_hessian(H: Tensor | None, n: int, X: Tensor) -> tuple[Tensor, int
     n += m
     X = X * (2.0 / n) ** 0.5
     return H + X.t() @ X, n
+
+
+def accumulate_dxxt(dXXT: Tensor | None, n: int, X: Tensor, X_fp: Tensor) -> tuple[Tensor, int]:
+    """Streaming update of dXXT = 2/n * sum (x_fp - x) x^T (GPTAQ) with a batch of inputs X
+    [..., K] and the full-precision model's inputs X_fp at the same tokens; `n` as in
+    `accumulate_hessian`. Returns the new (dXXT, n); dXXT is fp32 [K, K]."""
+    X = X.reshape(-1, X.shape[-1]).float()
+    X_fp = X_fp.reshape(-1, X_fp.shape[-1]).float()
+    m = X.shape[0]
+    if dXXT is None:
+        dXXT = torch.zeros(X.shape[1], X.shape[1], device=X.device)
+    dXXT = dXXT * (n / (n + m))
+    n += m
+    return dXXT + (2.0 / n) * (X_fp - X).t() @ X, n
+
+
+def gptaq_correction(dXXT: Tensor, Hinv: Tensor, alpha: float) -> Tensor:
+    """P = alpha * triu(dXXT Hinv^T, 1) Hinv: strictly upper triangular [K, K] (visiting order)."""
+    return alpha * torch.triu(dXXT @ Hinv.t(), diagonal=1) @ Hinv
 
 
 def _inverse_cholesky_upper(H: Tensor, damp_percent: float, retries: int = 10) -> Tensor:
@@ -70,25 +105,34 @@ ColumnQuantizer = Callable[[int, Tensor, Callable[[int], Tensor]], Tensor]
 -> the quantized-dequantized column [N]; records its codes on the side."""
 
 
-def _error_feedback(W: Tensor, Hinv: Tensor, block_size: int, quantize: ColumnQuantizer) -> None:
+def _error_feedback(
+    W: Tensor, Hinv: Tensor, block_size: int, quantize: ColumnQuantizer, P: Tensor | None = None
+) -> None:
     """The GPTQ column loop over W [N, K] (in visiting order), in place.
 
     Inside a block of `block_size` columns each column's scaled error is spread at once over
     the block's later columns; the columns after the block get the block's errors lazily, in
-    one matmul (the "lazy batch update")."""
+    one matmul (the "lazy batch update"). `P` (GPTAQ's correction, strictly upper triangular)
+    adds w_i P[i, :] to the same columns, by the same schedule."""
     K = W.shape[1]
     for i1 in range(0, K, block_size):
         i2 = min(i1 + block_size, K)
         W1 = W[:, i1:i2].clone()
         Err1 = torch.zeros_like(W1)
+        Wq1 = torch.zeros_like(W1) if P is not None else None  # columns as quantized
         Hinv1 = Hinv[i1:i2, i1:i2]
         for i in range(i2 - i1):
             w = W1[:, i]
             ahead = partial(_columns_from, W1, W, i1, i)
             err = (w - quantize(i1 + i, w, ahead)) / Hinv1[i, i]
+            if Wq1 is not None:
+                Wq1[:, i] = w
+                W1[:, i + 1 :] += w[:, None] @ P[i1 + i, i1 + i + 1 : i2][None, :]
             W1[:, i:] -= err[:, None] @ Hinv1[i, i:][None, :]
             Err1[:, i] = err
         W[:, i2:] -= Err1 @ Hinv[i1:i2, i2:]
+        if Wq1 is not None:
+            W[:, i2:] += Wq1 @ P[i1:i2, i2:]
 
 
 def _columns_from(W1: Tensor, W: Tensor, i1: int, i: int, n: int) -> Tensor:
@@ -121,13 +165,19 @@ def gptq_quantize(
     min_zero: int = 0,
     mse: bool = False,
     act_group_aware: bool = False,
+    dXXT: Tensor | None = None,
+    gptaq_alpha: float = 0.25,
 ) -> QuantizedWeight:
     """Quantize W [N, K] given the Hessian H [K, K] of its inputs; Q in original column order.
 
     `mse`: each group's range comes from the MSE grid search (rtn.search_qparams) instead of
     its min / max. `act_group_aware` (ignored with desc_act or per-channel): visit whole groups
-    in group-aware order (see the module docstring)."""
+    in group-aware order (see the module docstring). `dXXT` (from `accumulate_dxxt`): GPTAQ's
+    asymmetric target, weighted by `gptaq_alpha`."""
     qparams = partial(search_qparams if mse else compute_qparams, bits=bits, sym=sym)
+    if dXXT is not None:
+        dXXT = dXXT.clone().float()
+        dXXT[:, torch.diag(H) == 0] = 0
     W, H = _prepare(W, H)
     N, K = W.shape
     gs = K if group_size == -1 else group_size
@@ -150,6 +200,7 @@ def gptq_quantize(
     if desc_act or group_aware:
         W = W[:, perm]
         H = H[perm][:, perm]
+        dXXT = dXXT[perm][:, perm] if dXXT is not None else None
     invperm = torch.argsort(perm)
     # Group of the column visited at position i: its own group when groups are the format's
     # consecutive channels (fixed up front, or visited whole: group-aware), else the visiting
@@ -167,7 +218,9 @@ def gptq_quantize(
         Q[:, col] = q.to(torch.int32)
         return scales[g] * (q - zeros[g])
 
-    _error_feedback(W, _inverse_cholesky_upper(H, damp_percent), block_size, quantize)
+    Hinv = _inverse_cholesky_upper(H, damp_percent)
+    P = gptaq_correction(dXXT, Hinv, gptaq_alpha) if dXXT is not None else None
+    _error_feedback(W, Hinv, block_size, quantize, P)
     g_idx = group_of_pos[invperm].to(torch.int32)  # group of each original input channel
     return QuantizedWeight(
         Q[:, invperm].contiguous(), scales, zeros.to(torch.int32), g_idx, bits, group_size, sym

@@ -68,6 +68,9 @@ def test_contiguous_layouts() -> None:
     assert kc.contiguous_max_len(requests, 300).num_seqs == 3
     assert kc.contiguous_per_request(requests, 160).num_seqs == 2
     assert kc.contiguous_per_request(requests, 180).capped
+    bound = kc.contiguous_model_len(requests, 450, 128)  # slots of the workload's bound
+    assert (bound.num_seqs, bound.tokens_reserved, bound.capped) == (3, 384, True)
+    assert kc.contiguous_model_len(requests, 300, 128).num_seqs == 2
 
 
 def test_validation_stops_after_the_peak_unless_asked() -> None:

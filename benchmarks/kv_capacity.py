@@ -19,6 +19,9 @@ with max_num_seqs = N, all run to completion with no preemption (and so does eve
 - contiguous max-length: a static allocation (a preallocated [N, max_len] cache, as transformers'
   static cache) where every slot reserves max_len = the longest prompt + output among the N
   requests: N * max_len tokens must fit.
+- contiguous max_model_len: the same static allocation as a server must size it before any
+  request arrives: every slot reserves the workload's bound, max prompt + max output tokens
+  (512 + 256 = 768, the max_model_len such a server is configured with).
 - contiguous per request: each request reserves exactly prompt + max_tokens (an allocator that
   knows every output length in advance): an upper bound for any contiguous scheme.
 
@@ -178,6 +181,13 @@ def contiguous_max_len(requests: list[BenchRequest], budget_tokens: int) -> Capa
     return Capacity("contiguous max-length", n, budget_tokens, reserved, n == len(requests))
 
 
+def contiguous_model_len(
+    requests: list[BenchRequest], budget_tokens: int, model_len: int
+) -> Capacity:
+    n = min(budget_tokens // model_len, len(requests))
+    return Capacity("contiguous max_model_len", n, budget_tokens, n * model_len, n == len(requests))
+
+
 def contiguous_per_request(requests: list[BenchRequest], budget_tokens: int) -> Capacity:
     def fits(k: int) -> bool:
         return sum(total_len(r) for r in requests[:k]) <= budget_tokens
@@ -252,7 +262,11 @@ def validation_report(
 
 
 def capacities(
-    requests: list[BenchRequest], config: ModelConfig, budget: int, block_size: int
+    requests: list[BenchRequest],
+    config: ModelConfig,
+    budget: int,
+    block_size: int,
+    workload: WorkloadConfig,
 ) -> tuple[list[Capacity], dict[str, Simulation], dict[str, KVCacheSpec]]:
     """Every layout's capacity at one budget; the paged simulations and specs by page dtype."""
     max_model_len = min(config.max_context_len, max(total_len(r) for r in requests))
@@ -265,7 +279,12 @@ def capacities(
         row, sims[name] = paged_capacity(requests, spec, max_model_len, name)
         rows.append(row)
     tokens = specs["bf16"].num_tokens  # contiguous caches are bf16, like the pages
-    rows += [contiguous_max_len(requests, tokens), contiguous_per_request(requests, tokens)]
+    model_len = min(config.max_context_len, workload.max_prompt_len + workload.max_output_len)
+    rows += [
+        contiguous_max_len(requests, tokens),
+        contiguous_model_len(requests, tokens, model_len),
+        contiguous_per_request(requests, tokens),
+    ]
     return rows, sims, specs
 
 
@@ -276,9 +295,10 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(args.threads)
     path = resolve_model(args.model)
     config = ModelConfig.from_pretrained(path)
-    requests = make_workload(load_tokenizer(path), workload_config(args))
+    workload = workload_config(args)
+    requests = make_workload(load_tokenizer(path), workload)
     budget = parse_memory(args.kv_cache_memory)
-    rows, sims, specs = capacities(requests, config, budget, args.block_size)
+    rows, sims, specs = capacities(requests, config, budget, args.block_size, workload)
     if args.validate:
         for row, name in zip(rows, sims):  # the paged rows come first, in PAGE_DTYPES order
             print(f"validating {row.layout}: {row.num_seqs} requests on the real engine ...")
@@ -292,7 +312,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 def sweep_point(
     requests: list[BenchRequest], config: ModelConfig, memory: str, args: argparse.Namespace
 ) -> dict[str, Any]:
-    rows, _, specs = capacities(requests, config, parse_memory(memory), args.block_size)
+    workload = workload_config(args)
+    rows, _, specs = capacities(requests, config, parse_memory(memory), args.block_size, workload)
     return summarize(rows, memory, args, specs, len(requests))
 
 
@@ -314,6 +335,7 @@ def summarize(
         "rows": [asdict(row) for row in rows],
         "fp8_over_bf16_paged": ratio("paged fp8_e4m3", "paged bf16"),
         "bf16_paged_over_contiguous_max_length": ratio("paged bf16", "contiguous max-length"),
+        "bf16_paged_over_contiguous_max_model_len": ratio("paged bf16", "contiguous max_model_len"),
         "bf16_paged_over_contiguous_per_request": ratio("paged bf16", "contiguous per request"),
     }
 
@@ -365,8 +387,9 @@ def format_validation(v: dict[str, Any] | None) -> str:
 def format_ratios(summary: dict[str, Any]) -> str:
     return (
         f"paged fp8 / paged bf16: {summary['fp8_over_bf16_paged']}x; paged bf16 / contiguous "
-        f"max-length: {summary['bf16_paged_over_contiguous_max_length']}x; / contiguous per "
-        f"request: {summary['bf16_paged_over_contiguous_per_request']}x"
+        f"max-length: {summary['bf16_paged_over_contiguous_max_length']}x; / contiguous "
+        f"max_model_len: {summary['bf16_paged_over_contiguous_max_model_len']}x; / contiguous "
+        f"per request: {summary['bf16_paged_over_contiguous_per_request']}x"
     )
 
 

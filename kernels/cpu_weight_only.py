@@ -17,6 +17,10 @@ Act-order GPTQ (g_idx a permutation of groups) is handled by sorting the input c
 groups are consecutive again: x[:, perm] @ W[:, perm].T == x @ W.T. torch needs N % 16 == 0 and
 K % group_size == 0 with group_size in {32, 64, 128, 256}: K is zero-padded up to a multiple of
 the group, and per-channel weights use groups of 128 with the scale repeated.
+
+torch 2.13's int8 kernel segfaults on AVX-512 CPUs when x or the weight does not start on a
+64-byte boundary (a tensor loaded from safetensors at an odd offset, a row slice): `aligned`
+copies such a tensor (torch's allocator aligns to 64 bytes).
 """
 
 from __future__ import annotations
@@ -34,6 +38,13 @@ from qserve.kernels.packing import (
 )
 
 TORCH_GROUP_SIZES = (32, 64, 128, 256)
+ALIGNMENT = 64  # bytes: what torch's CPU allocator gives and its vector kernels assume
+
+
+def aligned(t: torch.Tensor) -> torch.Tensor:
+    """`t` contiguous and starting on an ALIGNMENT-byte boundary (copied only if not)."""
+    t = t.contiguous()
+    return t if t.data_ptr() % ALIGNMENT == 0 else t.clone()
 
 
 @dataclass(frozen=True)
@@ -142,7 +153,7 @@ def int8pack_mm(
     """Weight-only int8: x [..., K] @ (w_q [N, K] * w_scale [N, 1] or [1]).T -> [..., N]."""
     N, K = w_q.shape
     scale = w_scale.reshape(-1).to(x.dtype).expand(N).contiguous()
-    out = torch._weight_int8pack_mm(x.reshape(-1, K).contiguous(), w_q.contiguous(), scale)
+    out = torch._weight_int8pack_mm(aligned(x.reshape(-1, K)), aligned(w_q), scale)
     if bias is not None:
         out = out + bias.to(out.dtype)
     return out.reshape(*x.shape[:-1], N)

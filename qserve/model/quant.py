@@ -219,7 +219,7 @@ class GPTQLinear(QuantLinear):
 
     def _int8pack(self, dtype: torch.dtype) -> str:
         q, zeros = self._codes()
-        w_q = (q - zeros[0]).t().to(torch.int8).contiguous()  # [N, K]
+        w_q = cpu_weight_only.aligned((q - zeros[0]).t().to(torch.int8))  # [N, K]
         w_scale = self.scales[0].to(torch.float32)  # [N]
         self._drop("qweight", "qzeros", "scales", "g_idx")
         self._run = lambda x: cpu_weight_only.int8pack_mm(x, w_q, w_scale, self._bias(x))
@@ -427,7 +427,7 @@ class W8Linear(QuantLinear):
         return self.input_scale  # None: the kernels quantize per token
 
     def _int8pack(self) -> str:
-        w_q = self.weight.contiguous()
+        w_q = cpu_weight_only.aligned(self.weight)
         scale = self.weight_scale.reshape(-1)  # [N] or [1]
         self._drop("weight")
         if self.scheme.activations is None:

@@ -75,3 +75,15 @@ def test_int8pack_mm(per_channel) -> None:
     ws = torch.rand(N, 1) * 0.01 if per_channel else torch.tensor([0.004])
     bias = torch.randn(N, dtype=torch.bfloat16)
     _assert_bf16_close(int8pack_mm(x, w_q, ws, bias), w8a16_gemm_ref(x, w_q, ws, bias))
+
+
+def test_int8pack_mm_takes_tensors_at_any_offset() -> None:
+    """torch's int8 kernel crashes on AVX-512 CPUs when x or the weight starts off a 64-byte
+    boundary (e.g. a weight read from safetensors at an odd offset): both are realigned."""
+    N, K, M = 64, 64, 49
+    w_buf = torch.randint(-128, 128, (N * K + 1,), dtype=torch.int8)
+    x_buf = torch.randn(M * K + 1, dtype=torch.bfloat16)
+    w_q, x = w_buf[1:].view(N, K), x_buf[1:].view(M, K)
+    assert w_q.data_ptr() % 64 and x.data_ptr() % 64
+    ws = torch.rand(N, 1) * 0.01
+    _assert_bf16_close(int8pack_mm(x, w_q, ws), w8a16_gemm_ref(x, w_q, ws, None))

@@ -1,7 +1,8 @@
 """C++ 4-bit weight-only matmul on CPU (csrc/w4a16_cpu.cpp), compiled on first use.
 
 Same function as `w4a16_ref.gptq_gemm_ref` / `awq_gemm_ref`: y = x @ dequantize(W).T in fp32,
-output in x's dtype. Repack once at load time, then call per step:
+output in x's dtype (except bf16 batches on CPUs with native bf16 matmuls, below). Repack once
+at load time, then call per step:
 
     w = w4_from_gptq(qweight, qzeros, scales, g_idx)   # or w4_from_awq(qweight, qzeros, ...)
     y = w4_mm(x, w, bias)                               # x [..., K] -> [..., N]
@@ -10,6 +11,9 @@ Decode-sized batches (M <= `GEMV_MAX_ROWS`) run the C++ loop, which dequantizes 
 registers and reads 4 bits per weight; larger M dequantizes the weight to fp32 once per call
 (in C++) and runs torch's fp32 GEMM, which is faster than any loop here once the weight is
 reused across many rows (on AVX2 CPUs an fp32 GEMM is also 4-5x faster than a bf16 one).
+Where the CPU has native bf16 matmuls (AMX, AVX-512 BF16) and x is bf16, batches of
+`NATIVE_BF16_GEMM_MIN_ROWS` rows or more dequantize to bf16 instead and run torch's bf16 GEMM:
+the weight is then rounded to bf16 once more (2^-9 relative) before an fp32-accumulated product.
 
 Layout (`W4PackedCPU`): codes uint32 [N/8, K/8, 8], GPTQ's packing along K blocked over groups
 of 8 output channels; scales and scale * zero fp32 [N/8, G, 8]. Act-order GPTQ sorts the input
@@ -26,6 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from qserve.kernels import cpu_build
+from qserve.kernels.cpu_dense import native_half_matmul
 from qserve.kernels.packing import (
     unpack_awq_qweight,
     unpack_awq_qzeros,
@@ -35,13 +40,15 @@ from qserve.kernels.packing import (
 
 SOURCE = cpu_build.CSRC / "w4a16_cpu.cpp"
 GEMV_MAX_ROWS = 32  # larger M: dequantize + fp32 GEMM, faster there on an AVX2 EPYC
+# bf16 x on a CPU with native bf16 matmuls (AMX): dequantize to bf16 + bf16 GEMM from this M on
+NATIVE_BF16_GEMM_MIN_ROWS = 16  # measured on a 2-core AMX Xeon: 1.2-1.5x at 16, ~2x at 32+
 DEQUANT_CHUNK_BYTES = 2 << 20  # fp32 weight dequantized at a time for the GEMM
 X_DTYPES = cpu_build.DTYPE_CODES
 STATUS = {1: "unsupported dtype", 2: "K, N and group size must be multiples of 8"}
 
 _i32, _i64, _ptr = ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p
 _GEMM_ARGS = [_ptr, _i32, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _ptr, _i64]
-_DEQUANT_ARGS = [_ptr, _ptr, _ptr, _i64, _i64, _i64, _ptr, _i32]
+_DEQUANT_ARGS = [_ptr, _ptr, _ptr, _i64, _i64, _i64, _ptr, _i32, _i32]
 
 
 @functools.cache
@@ -197,45 +204,62 @@ def w4_gemv(x: torch.Tensor, w: W4PackedCPU, bias: torch.Tensor | None = None) -
     return y
 
 
-def w4_dequantize_t(w: W4PackedCPU) -> torch.Tensor:
-    """W.T fp32 [K, N], input channels in the order the codes are stored (sorted by group for
-    act-order: multiply x[:, perm] by it)."""
-    out = torch.empty(w.in_features, w.out_features, dtype=torch.float32)
+def w4_dequantize_t(w: W4PackedCPU, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """W.T [K, N] in fp32 or bf16 (rounded to nearest even), input channels in the order the
+    codes are stored (sorted by group for act-order: multiply x[:, perm] by it)."""
+    if dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"W4 dequantizes to float32 or bfloat16, not {dtype}")
+    out = torch.empty(w.in_features, w.out_features, dtype=dtype)
     status = _library().qserve_w4_dequantize(
-        w.codes.data_ptr(), w.scales.data_ptr(), w.zs.data_ptr(),
-        w.in_features, w.out_features, w.group_size, out.data_ptr(), torch.get_num_threads(),
+        w.codes.data_ptr(), w.scales.data_ptr(), w.zs.data_ptr(), w.in_features,
+        w.out_features, w.group_size, out.data_ptr(), cpu_build.DTYPE_CODES[dtype],
+        torch.get_num_threads(),
     )  # fmt: skip
     _check(status, "w4_dequantize")
     return out
 
 
 def w4_mm(x: torch.Tensor, w: W4PackedCPU, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] @ W.T (+ bias) -> [..., N] in x's dtype, computed in fp32."""
-    if x.dim() == 2 and x.shape[0] <= GEMV_MAX_ROWS and x.stride(-1) == 1:  # decode: lean
+    """x [..., K] @ W.T (+ bias) -> [..., N] in x's dtype: the C++ loop in fp32 for decode-sized
+    batches, else a GEMM on the dequantized weight (bf16 where x is bf16 and the CPU has native
+    bf16 matmuls, `_native_bf16`; fp32 otherwise)."""
+    if x.dim() == 2 and _gemv_rows(x) and x.stride(-1) == 1:  # decode: lean
         return w4_gemv(x, w, bias)
     lead, K = x.shape[:-1], x.shape[-1]
     x2 = x if x.dim() == 2 else x.reshape(-1, K)
-    if x2.shape[0] <= GEMV_MAX_ROWS:
+    if _gemv_rows(x2):
         out = w4_gemv(x2 if x2.stride(-1) == 1 else x2.contiguous(), w, bias)
     else:
         xs = x2 if w.perm is None else x2[:, w.perm]
-        out = _dequantized_mm(xs.to(torch.float32), w, bias).to(x.dtype)
+        native = _native_bf16(x2)
+        out = _dequantized_mm(xs if native else xs.to(torch.float32), w, bias).to(x.dtype)
     return out if x.dim() == 2 else out.reshape(*lead, w.out_features)
 
 
-def _dequantized_mm(x32: torch.Tensor, w: W4PackedCPU, bias: torch.Tensor | None) -> torch.Tensor:
-    """fp32 x32 @ W.T (+ bias), W dequantized DEQUANT_CHUNK_BYTES of fp32 at a time: a chunk
-    stays in cache, so a large weight (an lm_head) never goes to memory in fp32."""
+def _native_bf16(x: torch.Tensor) -> bool:
+    return x.dtype == torch.bfloat16 and native_half_matmul()
+
+
+def _gemv_rows(x: torch.Tensor) -> bool:
+    """Whether the C++ loop takes x's rows (fewer on CPUs where a bf16 GEMM is native)."""
+    limit = NATIVE_BF16_GEMM_MIN_ROWS - 1 if _native_bf16(x) else GEMV_MAX_ROWS
+    return x.shape[0] <= limit
+
+
+def _dequantized_mm(x: torch.Tensor, w: W4PackedCPU, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ W.T (+ bias) in x's dtype (fp32 or bf16), W dequantized DEQUANT_CHUNK_BYTES of fp32
+    at a time into x's dtype: a chunk stays in cache, so a large weight (an lm_head) never goes
+    to memory dequantized."""
     N = w.out_features
-    out = torch.empty(x32.shape[0], N, dtype=torch.float32)
+    out = torch.empty(x.shape[0], N, dtype=x.dtype)
     blocks = max(1, DEQUANT_CHUNK_BYTES // (4 * 8 * w.in_features))
     n0 = 0
     for part in split(w, [8 * b for b in _chunks(N // 8, blocks)]):
         n1 = n0 + part.out_features
-        torch.mm(x32, w4_dequantize_t(part), out=out[:, n0:n1])
+        torch.mm(x, w4_dequantize_t(part, x.dtype), out=out[:, n0:n1])
         n0 = n1
     if bias is not None:
-        out += bias.to(torch.float32)
+        out += bias.to(out.dtype)
     return out
 
 

@@ -15,8 +15,8 @@
 // so the inner loop per 8 codes is shift, mask, int->float convert and one FMA per row.
 // Register tile: MB rows x NB blocks of 8 outputs; OpenMP over blocks of outputs.
 //
-// qserve_w4_dequantize writes W.T fp32 [K, N] (input channels in the stored order) for large M,
-// where a dense fp32 GEMM beats this loop. A plain C entry point called through ctypes, as
+// qserve_w4_dequantize writes W.T fp32 or bf16 [K, N] (input channels in the stored order) for
+// large M, where a dense GEMM beats this loop. A plain C entry point called through ctypes, as
 // paged_attention_cpu.cpp; GCC/Clang vector extensions, lowered by -march=native.
 
 #include <cstdint>
@@ -203,11 +203,25 @@ extern "C" int qserve_w4_gemm(const void* x, int x_dtype, int64_t x_stride, cons
   return kOk;
 }
 
-// W.T fp32 [K, N]: W[n, k] = scale[g, n] * q[k, n] - zs[g, n], g = k / group_size (input
-// channels in the stored order). Row k of W.T takes 8 lanes from each block: one vector each.
+// W.T [K, N] in fp32 or bf16 (out_dtype kF32 | kBF16; bf16 rounded to nearest even, as torch
+// rounds): W[n, k] = scale[g, n] * q[k, n] - zs[g, n], g = k / group_size (input channels in
+// the stored order). Row k of W.T takes 8 lanes from each block: one vector each. bf16 serves
+// CPUs with native bf16 matmuls, where a bf16 GEMM on it beats the fp32 one (and it is half
+// the bytes to write).
+using u16vec8 = uint16_t __attribute__((vector_size(16)));
+
+inline void store8_bf16(uint16_t* p, vec8 v) {
+  uvec8 bits;
+  std::memcpy(&bits, &v, sizeof(bits));
+  bits += 0x7fffu + ((bits >> 16) & 1u);  // finite values only: codes times finite scales
+  const u16vec8 h = __builtin_convertvector(bits >> 16, u16vec8);
+  std::memcpy(p, &h, sizeof(h));
+}
+
 extern "C" int qserve_w4_dequantize(const uint32_t* qw, const float* scales, const float* zs,
-                                    int64_t K, int64_t N, int64_t group_size, float* out,
-                                    int num_threads) {
+                                    int64_t K, int64_t N, int64_t group_size, void* out,
+                                    int out_dtype, int num_threads) {
+  if (out_dtype != kF32 && out_dtype != kBF16) return kBadDType;
   if (K <= 0 || N <= 0 || K % 8 || N % 8 || group_size <= 0 || group_size % 8 ||
       K % group_size) {
     return kBadShape;
@@ -222,7 +236,12 @@ extern "C" int qserve_w4_dequantize(const uint32_t* qw, const float* scales, con
       const vec8 z = load8(zs + (b * num_groups + g) * kLanes);
       for (int j = 0; j < 8; ++j) {
         const vec8 code = __builtin_convertvector(reinterpret_cast<ivec8>((q >> (4 * j)) & 15u), vec8);
-        store8(out + (kw * 8 + j) * N + b * kLanes, s * code - z);
+        const int64_t at = (kw * 8 + j) * N + b * kLanes;
+        if (out_dtype == kBF16) {
+          store8_bf16(static_cast<uint16_t*>(out) + at, s * code - z);
+        } else {
+          store8(static_cast<float*>(out) + at, s * code - z);
+        }
       }
     }
   }

@@ -124,6 +124,39 @@ def test_large_batches_dequantize_in_chunks(monkeypatch):
     assert rel_err(chunked, ref) <= TOL[torch.float32]
 
 
+def test_bf16_dequantize_rounds_as_torch():
+    qweight, qzeros, scales, g_idx = gptq_tensors(128, 40, 32, False, False, seed=5)
+    w = cpu_w4a16.w4_from_gptq(qweight, qzeros, scales, g_idx)
+    bf16 = cpu_w4a16.w4_dequantize_t(w, torch.bfloat16)
+    assert bf16.dtype == torch.bfloat16
+    assert torch.equal(bf16, cpu_w4a16.w4_dequantize_t(w).to(torch.bfloat16))
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        cpu_w4a16.w4_dequantize_t(w, torch.float16)
+
+
+@pytest.mark.parametrize("native", [False, True])
+@pytest.mark.parametrize("M", [15, 16, 40])
+def test_bf16_batches_take_a_bf16_gemm_where_it_is_native(monkeypatch, native: bool, M: int):
+    """With native bf16 matmuls, bf16 batches of NATIVE_BF16_GEMM_MIN_ROWS rows or more
+    dequantize to bf16 (elsewhere: the C++ loop up to GEMV_MAX_ROWS, then fp32)."""
+    monkeypatch.setattr(cpu_w4a16, "native_half_matmul", lambda: native)
+    dtypes = []
+    dequantize = cpu_w4a16.w4_dequantize_t
+    monkeypatch.setattr(
+        cpu_w4a16,
+        "w4_dequantize_t",
+        lambda w, d=torch.float32: dtypes.append(d) or dequantize(w, d),
+    )
+    qweight, qzeros, scales, g_idx = gptq_tensors(128, 48, 32, True, False, seed=M)
+    w = cpu_w4a16.w4_from_gptq(qweight, qzeros, scales, g_idx)
+    x, bias = torch.randn(M, 128).to(torch.bfloat16), torch.randn(48)
+    out = cpu_w4a16.w4_mm(x, w, bias)
+    ref = gptq_gemm_ref(x, qweight, qzeros, scales.float(), g_idx, 4, bias)
+    assert out.dtype == torch.bfloat16 and rel_err(out, ref) <= TOL[torch.bfloat16]
+    gemm = M >= (cpu_w4a16.NATIVE_BF16_GEMM_MIN_ROWS if native else cpu_w4a16.GEMV_MAX_ROWS + 1)
+    assert dtypes == ([torch.bfloat16 if native else torch.float32] if gemm else [])
+
+
 def test_concat_refuses_different_groups():
     a = cpu_w4a16.w4_from_codes(
         torch.zeros(64, 8, dtype=torch.int64), torch.ones(2, 8), torch.zeros(2, 8), 32

@@ -54,11 +54,7 @@ def accumulate_hessian(H: Tensor | None, n: int, X: Tensor) -> tuple[Tensor, int
     `n` counts the tokens seen so far. Returns the new (H, n); H is fp32 [K, K].
     """
     X = X.reshape(-1, X.shape[-1]).float()
-    m = X.shape[0]
-    if H is None:
-        H = torch.zeros(X.shape[1], X.shape[1], device=X.device)
-    H = H * (n / (n + m))
-    n += m
+    H, n = _decayed(H, n, X)
     X = X * (2.0 / n) ** 0.5
     return H + X.t() @ X, n
 
@@ -69,12 +65,17 @@ def accumulate_dxxt(dXXT: Tensor | None, n: int, X: Tensor, X_fp: Tensor) -> tup
     `accumulate_hessian`. Returns the new (dXXT, n); dXXT is fp32 [K, K]."""
     X = X.reshape(-1, X.shape[-1]).float()
     X_fp = X_fp.reshape(-1, X_fp.shape[-1]).float()
-    m = X.shape[0]
-    if dXXT is None:
-        dXXT = torch.zeros(X.shape[1], X.shape[1], device=X.device)
-    dXXT = dXXT * (n / (n + m))
-    n += m
+    dXXT, n = _decayed(dXXT, n, X)
     return dXXT + (2.0 / n) * (X_fp - X).t() @ X, n
+
+
+def _decayed(acc: Tensor | None, n: int, X: Tensor) -> tuple[Tensor, int]:
+    """A running 1/n-mean [K, K] (zeros at first) reweighted for X's m more tokens: (acc * n /
+    (n + m), n + m)."""
+    m = X.shape[0]
+    if acc is None:
+        acc = torch.zeros(X.shape[1], X.shape[1], device=X.device)
+    return acc * (n / (n + m)), n + m
 
 
 def gptaq_correction(dXXT: Tensor, Hinv: Tensor, alpha: float) -> Tensor:

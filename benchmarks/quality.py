@@ -6,7 +6,7 @@
         [--threads 1] [--output benchmarks/results/quality.json]
 
 Calibration: the bundled Moby-Dick chapters 11-135 (`qserve.quantize` default). Evaluation:
-chapters 1-10 (`moby-dick-eval`, ../shared/data), the first `--max-tokens` tokens in
+chapters 1-10 (`moby-dick-eval`, ../shared/data), the first `--max-tokens` tokens (0: all) in
 non-overlapping `--seq-len` windows, the same token ids for every row (tokenized once).
 
 Rows: the unquantized baseline (at `--dtype`), RTN / GPTQ / GPTQ act-order / AWQ w4, INT8
@@ -279,7 +279,7 @@ def evaluate(
     folder: Path, method: Method, ids: list[int], tmp: Path, args: argparse.Namespace
 ) -> Row:
     engine, path, note = load_engine(folder, method, tmp, args)
-    result = perplexity(engine, ids, args.seq_len, args.max_tokens)
+    result = perplexity(engine, ids, args.seq_len, args.max_tokens or None)
     scheme = engine.load_report.scheme
     del engine
     gc.collect()
@@ -411,8 +411,9 @@ def summarize(
 def print_summary(summary: dict[str, Any]) -> None:
     rows = [Row(**r) for r in summary["rows"]]
     s = summary["settings"]
+    span = f"first {s['max_tokens']}" if s["max_tokens"] else "all"
     print(
-        f"{summary['model']}: perplexity on Moby-Dick ch. 1-10, first {s['max_tokens']} tokens in "
+        f"{summary['model']}: perplexity on Moby-Dick ch. 1-10, {span} tokens in "
         f"{s['seq_len']}-token windows ({rows[0].num_tokens} scored); calibration ch. 11-135, "
         f"{s['num_samples']} x {s['calib_seq_len']} tokens; activations {s['dtype']}"
     )
@@ -435,7 +436,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num-samples", type=int, default=32, help="Calibration windows.")
     p.add_argument("--calib-seq-len", type=int, default=256, help="Tokens per calibration window.")
     p.add_argument("--seq-len", type=int, default=512, help="Evaluation window.")
-    p.add_argument("--max-tokens", type=int, default=2048, help="Evaluation tokens.")
+    p.add_argument(
+        "--max-tokens", type=int, default=2048, help="Evaluation tokens; 0: all of ch. 1-10."
+    )
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--kv-cache-memory", default="64MiB")
     p.add_argument("--threads", type=int, default=1)

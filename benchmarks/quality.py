@@ -446,6 +446,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     args.group_size = args.group_size if args.group_size == "auto" else int(args.group_size)
+    if args.max_tokens < 0:
+        p.error(f"--max-tokens must be >= 0 (0: all), got {args.max_tokens}")
     unknown = [m for m in args.methods if m not in METHODS]
     if unknown:
         p.error(f"unknown method {unknown[0]!r}; choose from {', '.join(METHODS)}")

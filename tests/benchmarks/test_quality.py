@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks import quality
+from qserve.eval import EvalResult
 
 
 def fake_row(name: str, ppl: float) -> quality.Row:
@@ -34,3 +35,31 @@ def test_json_is_written_after_every_row(monkeypatch: pytest.MonkeyPatch, tmp_pa
     summary = json.loads(out.read_text())
     assert [r["method"] for r in summary["rows"]] == ["baseline", "rtn", "gptq"]
     assert summary["recovery_of_rtn_gap"]["gptq"] == pytest.approx(0.5)
+
+
+def test_max_tokens_zero_scores_every_token(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+):
+    """--max-tokens 0 hands perplexity no limit (all of chapters 1-10); a negative count is
+    refused in one line."""
+    limits: list[int | None] = []
+
+    class Report:
+        scheme = "dense"
+
+    class Engine:
+        load_report = Report()
+
+    def perplexity(engine, ids, seq_len, max_tokens):
+        limits.append(max_tokens)
+        return EvalResult(60.0, len(ids) - 1, 1, 1.0)
+
+    monkeypatch.setattr(quality, "load_engine", lambda *a: (Engine(), "engine", None))
+    monkeypatch.setattr(quality, "perplexity", perplexity)
+    for given in ("0", "2048"):
+        args = quality.parse_args(["--max-tokens", given])
+        quality.evaluate(tmp_path, quality.METHODS["baseline"], list(range(4096)), tmp_path, args)
+    assert limits == [None, 2048]
+    with pytest.raises(SystemExit):
+        quality.parse_args(["--max-tokens", "-1"])
+    assert "--max-tokens must be >= 0" in capsys.readouterr().err

@@ -1,7 +1,7 @@
 """Quality of each quantization method: perplexity, checkpoint size and quantization time.
 
-    python benchmarks/quality.py [--model smollm2-135m] [--methods rtn,gptq,gptq-act,awq,int8,
-        fp8,fp8-kv,gptqmodel,autoawq] [--group-size auto] [--num-samples 32]
+    python benchmarks/quality.py [--model smollm2-135m] [--methods rtn,gptq,gptq-plain,gptq-act,
+        awq,int8,fp8,fp8-rtn,fp8-kv,gptqmodel,autoawq] [--group-size auto] [--num-samples 32]
         [--calib-seq-len 256] [--seq-len 512] [--max-tokens 2048] [--dtype bfloat16]
         [--threads 1] [--output benchmarks/results/quality.json]
 
@@ -10,7 +10,9 @@ chapters 1-10 (`moby-dick-eval`, ../shared/data), the first `--max-tokens` token
 non-overlapping `--seq-len` windows, the same token ids for every row (tokenized once).
 
 Rows: the unquantized baseline (at `--dtype`), RTN / GPTQ / GPTQ act-order / AWQ w4, INT8
-W8A8 (SmoothQuant), FP8 W8A8 and FP8 KV (baseline weights, fp8_e4m3 pages with scale 1.0). Each
+W8A8 (SmoothQuant), FP8 W8A8 and FP8 KV (baseline weights, fp8_e4m3 pages with scale 1.0), each
+at qserve's defaults (GPTQ with GPTAQ; int8 / fp8 weights rounded with GPTQ); `-plain` and `-rtn`
+rows turn those off (plain GPTQ, round-to-nearest int8 / fp8 weights). Each
 checkpoint is written by `quantize_model` into a temp folder and scored by `qserve.eval.perplexity`
 through LLMEngine (path `engine`: our quantized linears and paged KV cache). If the engine cannot
 load a checkpoint, its weights are dequantized into a plain fp32 folder that the engine scores
@@ -74,24 +76,38 @@ METHODS = {
     for m in [
         Method("baseline", "baseline", None),
         Method("rtn", "RTN w4g{g}", {"method": "rtn", **W4}),
-        Method("gptq", "GPTQ w4g{g}", {"method": "gptq", **W4}),
-        Method("gptq-mse", "GPTQ w4g{g} + mse", {"method": "gptq", "mse": True, **W4}),
-        Method("gptaq", "GPTAQ w4g{g}", {"method": "gptq", "gptaq": True, **W4}),
-        Method("gptq-act", "GPTQ w4g{g} act-order", {"method": "gptq", "desc_act": True, **W4}),
+        # qserve's gptq default is GPTAQ (gptaq on); "-plain" rows are GPTQModel's default GPTQ.
+        Method("gptq", "GPTQ w4g{g} (GPTAQ)", {"method": "gptq", "gptaq": True, **W4}),
+        Method("gptq-plain", "GPTQ w4g{g} --no-gptaq", {"method": "gptq", "gptaq": False, **W4}),
         Method(
-            "gptaq-act",
-            "GPTAQ w4g{g} act-order",
+            "gptq-mse",
+            "GPTQ w4g{g} --no-gptaq + mse",
+            {"method": "gptq", "gptaq": False, "mse": True, **W4},
+        ),
+        Method(
+            "gptq-act",
+            "GPTQ w4g{g} act-order (GPTAQ)",
             {"method": "gptq", "gptaq": True, "desc_act": True, **W4},
         ),
         Method(
-            "gptq-act-mse",
-            "GPTQ w4g{g} act-order + mse",
-            {"method": "gptq", "desc_act": True, "mse": True, **W4},
+            "gptq-act-plain",
+            "GPTQ w4g{g} act-order --no-gptaq",
+            {"method": "gptq", "gptaq": False, "desc_act": True, **W4},
         ),
         Method("awq", "AWQ w4g{g}", {"method": "awq", **W4}),
-        Method("int8", "INT8 W8A8", {"method": "int8", "bits": 8}),
-        Method("fp8", "FP8 W8A8", {"method": "fp8", "bits": 8}),
-        Method("fp8-gptq", "FP8 W8A8 GPTQ", {"method": "fp8", "bits": 8, "gptq_weights": True}),
+        # int8 / fp8 default: GPTQ rounding of the weights; "-rtn" rows round to nearest.
+        Method("int8", "INT8 W8A8", {"method": "int8", "bits": 8, "gptq_weights": True}),
+        Method(
+            "int8-rtn",
+            "INT8 W8A8 --no-gptq-weights",
+            {"method": "int8", "bits": 8, "gptq_weights": False},
+        ),
+        Method("fp8", "FP8 W8A8", {"method": "fp8", "bits": 8, "gptq_weights": True}),
+        Method(
+            "fp8-rtn",
+            "FP8 W8A8 --no-gptq-weights",
+            {"method": "fp8", "bits": 8, "gptq_weights": False},
+        ),
         Method("fp8-kv", "FP8 KV (e4m3)", None, kv_cache_dtype="fp8_e4m3"),
         Method("gptqmodel", "gptqmodel 7.6.0 GPTQ w4g{g}", W4, tool="gptqmodel"),
         Method(
@@ -350,7 +366,7 @@ def recovery(rows: dict[str, Row]) -> dict[str, float]:
         return {}
     gap = rtn.perplexity - base.perplexity
     names = [n for n in rows if n not in ("baseline", "rtn") and rows[n].quant_seconds is not None]
-    names = [n for n in names if n.startswith(("gptq", "gptaq", "awq", "autoawq"))]
+    names = [n for n in names if n.startswith(("gptq", "awq", "autoawq"))]
     return {n: (rtn.perplexity - rows[n].perplexity) / gap for n in names}
 
 

@@ -368,9 +368,10 @@ def eval_command(
     help="GPTQ without --desc-act: visit whole groups by importance (GPTQModel's default).",
 )
 @click.option(
-    "--gptaq",
-    is_flag=True,
-    help="GPTQ: fit each layer to the float model's output (GPTAQ asymmetric calibration).",
+    "--gptaq/--no-gptaq",
+    default=None,
+    help="GPTQ: fit each layer to the float model's output (GPTAQ asymmetric calibration); "
+    "--no-gptaq is plain GPTQ. [default: --gptaq]",
 )
 @click.option(
     "--damp",
@@ -416,9 +417,10 @@ def eval_command(
     help="int8/fp8 activation scales.",
 )
 @click.option(
-    "--gptq-weights",
-    is_flag=True,
-    help="int8/fp8: round the weights with GPTQ error feedback (needs calibration data).",
+    "--gptq-weights/--no-gptq-weights",
+    default=None,
+    help="int8/fp8: round the weights with GPTQ error feedback (needs calibration data); "
+    "--no-gptq-weights rounds to nearest (fp8 dynamic: no calibration). [default: on]",
 )
 @click.option(
     "--scales",

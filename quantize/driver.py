@@ -106,14 +106,14 @@ class QuantizeSettings:
     static_groups: bool = False
     mse: bool = False  # gptq: MSE grid search of each group's range
     act_group_aware: bool = True  # gptq without desc_act: group-aware order (GPTQModel's default)
-    gptaq: bool = False  # gptq: GPTAQ's asymmetric target (the full-precision model's outputs)
+    gptaq: bool | None = None  # gptq: GPTAQ's asymmetric target; None: on for gptq
     gptaq_alpha: float = 0.25
     quantize_lm_head: bool = False  # rtn / gptq: lm_head too, by the same method ("lm_head": true)
     ignore: tuple[str, ...] = ("lm_head",)
     smooth_alpha: float = 0.5  # SmoothQuant; <= 0 turns smoothing off
     weight_strategy: str = "channel"  # int8 / fp8: channel | tensor
     activation_scheme: str = "dynamic"  # int8 / fp8: dynamic | static
-    gptq_weights: bool = False  # int8 / fp8: round the weights with GPTQ (same format)
+    gptq_weights: bool | None = None  # int8 / fp8: GPTQ rounding (same format); None: on
     kv_cache_dtype: str = "auto"  # fp8_e4m3 | fp8_e5m2: also calibrate k_scale / v_scale
 
     def __post_init__(self) -> None:
@@ -139,6 +139,13 @@ class QuantizeSettings:
             )
         if self.gptaq and m != "gptq":
             raise QServeError(f"gptaq is a variant of gptq, not of {m}", "gptaq")
+        if self.gptq_weights and m not in ("int8", "fp8"):
+            raise QServeError(f"gptq_weights rounds int8 / fp8 weights, not {m}'s", "gptq_weights")
+        # Unset options take the method's default: GPTAQ for gptq, GPTQ rounding for int8 / fp8.
+        if self.gptaq is None:
+            object.__setattr__(self, "gptaq", m == "gptq")
+        if self.gptq_weights is None:
+            object.__setattr__(self, "gptq_weights", m in ("int8", "fp8"))
         if not 0 <= self.damp < 1:
             raise QServeError(f"damp must be in [0, 1), got {self.damp}", "damp")
         check_kv_cache_dtype(self.kv_cache_dtype)
@@ -211,7 +218,7 @@ def quantize_model(
     static_groups: bool = False,
     mse: bool = False,
     act_group_aware: bool = True,
-    gptaq: bool = False,
+    gptaq: bool | None = None,
     gptaq_alpha: float = 0.25,
     quantize_lm_head: bool = False,
     calib: str | Path | None = None,
@@ -221,7 +228,7 @@ def quantize_model(
     smooth_alpha: float = 0.5,
     weight_strategy: str = "channel",
     activation_scheme: str = "dynamic",
-    gptq_weights: bool = False,
+    gptq_weights: bool | None = None,
     dtype: str | None = None,
     scales_path: str | Path | None = None,
     kv_cache_dtype: str | None = "auto",
@@ -243,14 +250,16 @@ def quantize_model(
     `mse` (gptq): search each group's range (GPTQ's MSE grid) instead of taking min / max.
     `act_group_aware` (gptq without desc_act): visit whole groups in Group Aware Reordering
     order (GPTQModel's default); the checkpoint keeps consecutive groups (no g_idx permutation).
-    `gptaq` (gptq): GPTAQ's asymmetric calibration: each linear is fitted to the full-precision
-    model's output on the full-precision inputs, from the inputs the quantized model gives it,
-    with weight `gptaq_alpha` on the correction (0.25, as GPTQModel).
+    `gptaq` (gptq; on unless False): GPTAQ's asymmetric calibration: each linear is fitted to
+    the full-precision model's output on the full-precision inputs, from the inputs the quantized
+    model gives it, with weight `gptaq_alpha` on the correction (0.25, as GPTQModel). False is
+    plain GPTQ (GPTQModel's default); the checkpoint format is the same.
     `quantize_lm_head` (rtn, gptq): lm_head is quantized too, by the same method, bits and groups
     (GPTQ on the final-norm hidden states; untied from the embeddings, which stay in floating
     point); the config says "lm_head": true, as GPTQModel writes it and vLLM reads it.
-    `gptq_weights` (int8, fp8): round the weights with GPTQ's error feedback instead of to
-    nearest (needs calibration data; same scales and format).
+    `gptq_weights` (int8, fp8; on unless False): round the weights with GPTQ's error feedback
+    (as llm-compressor's SmoothQuant + GPTQ W8A8 recipe) instead of to nearest; same scales and
+    format. It needs calibration data; False makes dynamic fp8 data-free.
     `kv_cache_dtype` fp8_e4m3 | fp8_e5m2: also write calibrated k_scale / v_scale per attention
     layer (every method then needs calibration data); "auto" or None: no KV scales.
     `device`: where each block is calibrated and quantized (cpu, cuda, cuda:N; default cuda when
@@ -541,7 +550,10 @@ def _block_outputs(
     KV scales are calibrated) and, for KV scales, (max |K|, max |V|) of what attention wrote."""
     if not ctx.s.calibrates_kv_scales:
         needed = not last or ctx.s.lm_head_needs_inputs  # GPTQ of lm_head: the last block's too
-        return ([ctx.block(x, **ctx.kwargs) for x in ctx.X] if needed else []), None
+        if not needed:
+            return [], None
+        with ctx.attention_replay():
+            return [ctx.block(x, **ctx.kwargs) for x in ctx.X], None
     observer = KVObserver()
     kwargs = {**ctx.kwargs, _cache_argument(ctx.block): observer}
     X = [ctx.block(x, **kwargs) for x in ctx.X]
@@ -630,6 +642,9 @@ def _select(scales: ScaleResult, keep: Callable[[str], bool]) -> ScaleResult:
 # ------------------------------------------------------------------------- one block per method
 
 
+REPLAY_CACHE_BYTES = 1 << 30  # a block keeps its attention's final outputs up to this
+
+
 @dataclasses.dataclass
 class _BlockContext:
     """One decoder block with its calibration inputs X (one [1, T, hidden] per sample)."""
@@ -641,11 +656,51 @@ class _BlockContext:
     X: list[Tensor]
     kwargs: dict[str, Any]
     reference: _Reference | None = None  # GPTAQ: the full-precision model's side
+    finished: set[str] = dataclasses.field(default_factory=set)  # linears quantized so far
+    attention_outputs: list[Any] | None = None  # per sample, once every attention linear is
 
     @property
     def names(self) -> list[str]:
         """The block's linears to quantize (not ignored)."""
         return [n for n in self.spec.linears if not _is_ignored(self.prefix + n, self.s.ignore)]
+
+    def finish(self, names: Iterable[str]) -> None:
+        """Mark the named linears quantized (their weights are final)."""
+        self.finished.update(names)
+
+    def _in_attention(self, name: str) -> bool:
+        return name.startswith(self.spec.attention + ".")
+
+    @contextlib.contextmanager
+    def attention_replay(self, reads_attention: bool = False) -> Iterator[None]:
+        """Passes of X through the block inside reuse the attention's outputs once they are
+        final (every linear in it quantized): the first such pass records them, later ones
+        return them instead of recomputing projections and attention. `reads_attention`: the
+        pass needs the attention itself to run (hooks inside it), so nothing is replayed."""
+        attention_linears = [n for n in self.names if self._in_attention(n)]
+        final = all(n in self.finished for n in attention_linears)
+        fits = sum(x.numel() for x in self.X) * 4 <= REPLAY_CACHE_BYTES
+        if reads_attention or not final or not fits:
+            yield
+            return
+        attention = self.block.get_submodule(self.spec.attention)
+        if self.attention_outputs is None:
+            outputs: list[Any] = []
+            handle = attention.register_forward_hook(lambda m, a, out: outputs.append(out))
+            try:
+                yield
+            finally:
+                handle.remove()
+            self.attention_outputs = outputs if len(outputs) == len(self.X) else None
+            return
+        replayed = iter(self.attention_outputs)
+        attention.forward = lambda *args, **kw: next(replayed)  # instance attribute: shadows
+        try:
+            yield
+        finally:
+            del attention.forward
+        if next(replayed, None) is not None:
+            raise RuntimeError(f"{self.prefix}{self.spec.attention}: a pass skipped a sample")
 
     def linear(self, name: str) -> nn.Linear:
         return self.block.get_submodule(name)
@@ -661,7 +716,8 @@ class _BlockContext:
         if not owner:
             return {}
         modules = {o: self.linear(o) for o in set(owner.values())}
-        acc = _collect(self.block, modules, self.X, self.kwargs, step)
+        with self.attention_replay(any(self._in_attention(o) for o in modules)):
+            acc = _collect(self.block, modules, self.X, self.kwargs, step)
         return {n: acc[o] for n, o in owner.items()}
 
     def collect_paired(
@@ -676,13 +732,14 @@ class _BlockContext:
         owners = set(owner.values())
         modules = {o: self.linear(o) for o in owners}
         acc: dict[str, Any] = dict.fromkeys(owners)
-        for i, x in enumerate(self.X):
-            native = self.reference.inputs(i, owners)
+        with self.attention_replay(any(self._in_attention(o) for o in owners)):
+            for i, x in enumerate(self.X):
+                native = self.reference.inputs(i, owners)
 
-            def paired(name: str, a: Any, v: Tensor, native: dict[str, Tensor] = native) -> Any:
-                return step(a, v, native[name])
+                def paired(name: str, a: Any, v: Tensor, native: dict[str, Tensor] = native) -> Any:
+                    return step(a, v, native[name])
 
-            acc = _collect(self.block, modules, [x], self.kwargs, None, acc, paired)
+                acc = _collect(self.block, modules, [x], self.kwargs, None, acc, paired)
         return {n: acc[o] for n, o in owner.items()}
 
 
@@ -758,6 +815,7 @@ def _gptq_block(ctx: _BlockContext) -> dict[str, QuantizedWeight]:
                 dXXT=dxxt[0] if dxxt is not None else None, gptaq_alpha=s.gptaq_alpha,
             )  # fmt: skip
             out[n] = _set_weight(ctx.linear(n), qw)
+        ctx.finish(group)
     return out
 
 
@@ -767,6 +825,7 @@ def _rtn_block(ctx: _BlockContext) -> dict[str, QuantizedWeight]:
     for n in ctx.names:
         qw = rtn_quantize(ctx.linear(n).weight.data, s.bits, s.group_size, s.sym, s.min_zero)
         out[n] = _set_weight(ctx.linear(n), qw)
+    ctx.finish(out)
     return out
 
 
@@ -791,6 +850,7 @@ def _w8_block(ctx: _BlockContext) -> dict[str, W8Weight]:
         for n, (Q, scale) in results.items():
             ctx.linear(n).weight.data.copy_(dequant(Q, scale))
             out[n] = W8Weight(Q, scale)
+        ctx.finish(group)
     if s.activation_scheme == "static":
         to_scale = int8_input_scale if int8 else fp8_input_scale
         for n, absmax in ctx.collect(ctx.names, _absmax_step).items():

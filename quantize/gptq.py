@@ -54,9 +54,7 @@ def accumulate_hessian(H: Tensor | None, n: int, X: Tensor) -> tuple[Tensor, int
     `n` counts the tokens seen so far. Returns the new (H, n); H is fp32 [K, K].
     """
     X = X.reshape(-1, X.shape[-1]).float()
-    H, n = _decayed(H, n, X)
-    X = X * (2.0 / n) ** 0.5
-    return H + X.t() @ X, n
+    return _running_mean_update(H, n, X.t(), X)
 
 
 def accumulate_dxxt(dXXT: Tensor | None, n: int, X: Tensor, X_fp: Tensor) -> tuple[Tensor, int]:
@@ -65,17 +63,16 @@ def accumulate_dxxt(dXXT: Tensor | None, n: int, X: Tensor, X_fp: Tensor) -> tup
     `accumulate_hessian`. Returns the new (dXXT, n); dXXT is fp32 [K, K]."""
     X = X.reshape(-1, X.shape[-1]).float()
     X_fp = X_fp.reshape(-1, X_fp.shape[-1]).float()
-    dXXT, n = _decayed(dXXT, n, X)
-    return dXXT + (2.0 / n) * (X_fp - X).t() @ X, n
+    return _running_mean_update(dXXT, n, (X_fp - X).t(), X)
 
 
-def _decayed(acc: Tensor | None, n: int, X: Tensor) -> tuple[Tensor, int]:
-    """A running 1/n-mean [K, K] (zeros at first) reweighted for X's m more tokens: (acc * n /
-    (n + m), n + m)."""
-    m = X.shape[0]
+def _running_mean_update(acc: Tensor | None, n: int, A: Tensor, B: Tensor) -> tuple[Tensor, int]:
+    """(acc * n / (n + m) + 2 / (n + m) * A @ B, n + m) for the m tokens of A [K, m] @ B [m, K],
+    in one GEMM (acc None: zeros)."""
+    m = B.shape[0]
     if acc is None:
-        acc = torch.zeros(X.shape[1], X.shape[1], device=X.device)
-    return acc * (n / (n + m)), n + m
+        return A @ B * (2.0 / m), m
+    return torch.addmm(acc, A, B, beta=n / (n + m), alpha=2.0 / (n + m)), n + m
 
 
 def gptaq_correction(dXXT: Tensor, Hinv: Tensor, alpha: float) -> Tensor:
@@ -114,33 +111,36 @@ def _error_feedback(
     Inside a block of `block_size` columns each column's scaled error is spread at once over
     the block's later columns; the columns after the block get the block's errors lazily, in
     one matmul (the "lazy batch update"). `P` (GPTAQ's correction, strictly upper triangular)
-    adds w_i P[i, :] to the same columns, by the same schedule."""
+    adds w_i P[i, :] to the same columns, by the same schedule. The block is held transposed
+    (one contiguous row per column), so each step is a few in-place rank-1 updates."""
     K = W.shape[1]
+    diag = Hinv.diagonal().tolist()
     for i1 in range(0, K, block_size):
         i2 = min(i1 + block_size, K)
-        W1 = W[:, i1:i2].clone()
-        Err1 = torch.zeros_like(W1)
-        Wq1 = torch.zeros_like(W1) if P is not None else None  # columns as quantized
+        Wt = W[:, i1:i2].t().contiguous()  # [n, N]: row i is column i1 + i
+        Errt = torch.empty_like(Wt)
+        Wqt = torch.empty_like(Wt) if P is not None else None  # columns as quantized
         Hinv1 = Hinv[i1:i2, i1:i2]
         for i in range(i2 - i1):
-            w = W1[:, i]
-            ahead = partial(_columns_from, W1, W, i1, i)
-            err = (w - quantize(i1 + i, w, ahead)) / Hinv1[i, i]
-            if Wq1 is not None:
-                Wq1[:, i] = w
-                W1[:, i + 1 :] += w[:, None] @ P[i1 + i, i1 + i + 1 : i2][None, :]
-            W1[:, i:] -= err[:, None] @ Hinv1[i, i:][None, :]
-            Err1[:, i] = err
-        W[:, i2:] -= Err1 @ Hinv[i1:i2, i2:]
-        if Wq1 is not None:
-            W[:, i2:] += Wq1 @ P[i1:i2, i2:]
+            w, err = Wt[i], Errt[i]
+            ahead = partial(_columns_from, Wt, W, i1, i)
+            torch.sub(w, quantize(i1 + i, w, ahead), out=err)
+            err.div_(diag[i1 + i])
+            if Wqt is not None:
+                Wqt[i] = w
+                Wt[i + 1 :].addr_(P[i1 + i, i1 + i + 1 : i2], w)
+            Wt[i:].addr_(Hinv1[i, i:], err, alpha=-1)
+        W[:, i1:i2] = Wt.t()
+        W[:, i2:].addmm_(Errt.t(), Hinv[i1:i2, i2:], alpha=-1)
+        if Wqt is not None:
+            W[:, i2:].addmm_(Wqt.t(), P[i1:i2, i2:])
 
 
-def _columns_from(W1: Tensor, W: Tensor, i1: int, i: int, n: int) -> Tensor:
-    """W[:, i1 + i : i1 + i + n] as it stands mid-block: the block's columns from W1 (errors
-    applied), the later ones from W (lazy updates pending)."""
-    i2 = i1 + W1.shape[1]
-    return torch.cat([W1[:, i:], W[:, i2 : i1 + i + n]], dim=1)[:, :n]
+def _columns_from(Wt: Tensor, W: Tensor, i1: int, i: int, n: int) -> Tensor:
+    """W[:, i1 + i : i1 + i + n] as it stands mid-block: the block's columns from Wt (its
+    transposed copy, errors applied), the later ones from W (lazy updates pending)."""
+    i2 = i1 + Wt.shape[0]
+    return torch.cat([Wt[i:].t(), W[:, i2 : i1 + i + n]], dim=1)[:, :n]
 
 
 def _prepare(W: Tensor, H: Tensor) -> tuple[Tensor, Tensor]:
@@ -208,24 +208,23 @@ def gptq_quantize(
     # order's (act-order).
     keeps_groups = fixed_groups or group_aware
     group_of_pos = perm // gs if keeps_groups else torch.arange(K, device=W.device) // gs
-    Q = torch.zeros(N, K, dtype=torch.int32, device=W.device)
+    groups = group_of_pos.tolist()
+    Qt = torch.zeros(K, N, device=W.device)  # codes, one row per visited column
 
     def quantize(col: int, w: Tensor, ahead: Callable[[int], Tensor]) -> Tensor:
-        g = int(group_of_pos[col])
+        g = groups[col]
         if not fixed_groups and col % gs == 0:
             # Parameters from the group's weights as error feedback has left them so far.
             scales[g], zeros[g] = qparams(ahead(gs), min_zero=min_zero)
-        q = quantize_codes(w, scales[g], zeros[g], bits)
-        Q[:, col] = q.to(torch.int32)
+        q = Qt[col] = quantize_codes(w, scales[g], zeros[g], bits)
         return scales[g] * (q - zeros[g])
 
     Hinv = _inverse_cholesky_upper(H, damp_percent)
     P = gptaq_correction(dXXT, Hinv, gptaq_alpha) if dXXT is not None else None
     _error_feedback(W, Hinv, block_size, quantize, P)
     g_idx = group_of_pos[invperm].to(torch.int32)  # group of each original input channel
-    return QuantizedWeight(
-        Q[:, invperm].contiguous(), scales, zeros.to(torch.int32), g_idx, bits, group_size, sym
-    )
+    Q = Qt[invperm].t().to(torch.int32).contiguous()
+    return QuantizedWeight(Q, scales, zeros.to(torch.int32), g_idx, bits, group_size, sym)
 
 
 def group_aware_order(diag_h: Tensor, group_size: int) -> Tensor:
@@ -258,15 +257,15 @@ def gptq_w8_quantize(
     W, H = _prepare(W, H)
     _, scale = (quantize_int8 if fmt == "int8" else quantize_fp8)(W, strategy)
     dtype = torch.int8 if fmt == "int8" else torch.float8_e4m3fn
-    Q = torch.empty(W.shape, dtype=dtype, device=W.device)
+    Qt = torch.empty(W.shape[::-1], dtype=dtype, device=W.device)  # one row per column
     col_scale = scale.reshape(-1)  # [N] or [1]
 
     def quantize(col: int, w: Tensor, ahead: Callable[[int], Tensor]) -> Tensor:
-        Q[:, col] = _round_w8(w / col_scale, Q.dtype)
-        return Q[:, col].float() * col_scale
+        Qt[col] = _round_w8(w / col_scale, Qt.dtype)
+        return Qt[col].float() * col_scale
 
     _error_feedback(W, _inverse_cholesky_upper(H, damp_percent), block_size, quantize)
-    return Q, scale
+    return Qt.t().contiguous(), scale
 
 
 def _round_w8(x: Tensor, dtype: torch.dtype) -> Tensor:

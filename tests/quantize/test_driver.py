@@ -149,8 +149,8 @@ def test_logits_stay_close_and_calibrated_methods_beat_rtn(tiny_llama, tmp_path_
 
 @pytest.mark.parametrize("method", ["int8", "fp8"])
 def test_gptq_weights_same_format_closer_logits(method: str, tiny_llama: Path, tmp_path_factory):
-    plain = _export(method, tiny_llama, tmp_path_factory, smooth_alpha=0)
-    gptq = _export(method, tiny_llama, tmp_path_factory, smooth_alpha=0, gptq_weights=True)
+    plain = _export(method, tiny_llama, tmp_path_factory, smooth_alpha=0, gptq_weights=False)
+    gptq = _export(method, tiny_llama, tmp_path_factory, smooth_alpha=0)  # GPTQ rounding: default
     a, b = _tensors(plain), _tensors(gptq)
     assert a.keys() == b.keys()
     for key in a:
@@ -163,8 +163,8 @@ def test_gptq_weights_same_format_closer_logits(method: str, tiny_llama: Path, t
 
 
 def test_gptaq_same_format(tiny_llama: Path, tmp_path_factory) -> None:
-    plain = _export("gptq", tiny_llama, tmp_path_factory)
-    asym = _export("gptq", tiny_llama, tmp_path_factory, gptaq=True)
+    plain = _export("gptq", tiny_llama, tmp_path_factory, gptaq=False)
+    asym = _export("gptq", tiny_llama, tmp_path_factory)  # GPTAQ: gptq's default
     a, b = _tensors(plain), _tensors(asym)
     assert {k: (v.dtype, v.shape) for k, v in a.items()} == {
         k: (v.dtype, v.shape) for k, v in b.items()
@@ -193,8 +193,42 @@ def test_gptaq_recomputes_what_it_does_not_keep(tiny_llama: Path, tmp_path: Path
     assert all(torch.equal(ta[k], tb[k]) for k in ta)
 
 
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(method="gptq", gptaq=False),
+        dict(method="gptq", gptaq=True),
+        dict(method="int8", gptq_weights=True),
+        dict(method="fp8", gptq_weights=True, kv_cache_dtype="fp8_e4m3"),
+    ],
+    ids=["gptq", "gptaq", "int8", "fp8-kv"],
+)
+def test_attention_replay_changes_nothing(kw: dict, tiny_llama: Path, tmp_path: Path, monkeypatch):
+    """Reusing each block's final attention outputs (instead of recomputing them for the later
+    sequential groups and the block's outputs) gives the same checkpoint, bit for bit."""
+    from qserve.quantize import driver
+
+    calls = {"replayed": 0}
+    replay = driver._BlockContext.attention_replay
+
+    def counting(self, reads_attention: bool = False):
+        calls["replayed"] += self.attention_outputs is not None and not reads_attention
+        return replay(self, reads_attention)
+
+    monkeypatch.setattr(driver._BlockContext, "attention_replay", counting)
+    a = tmp_path / "replayed"
+    quantize_model(tiny_llama, a, group_size=32, **kw, **CALIB)
+    assert calls["replayed"] > 0
+    monkeypatch.setattr(driver, "REPLAY_CACHE_BYTES", 0)
+    b = tmp_path / "recomputed"
+    quantize_model(tiny_llama, b, group_size=32, **kw, **CALIB)
+    ta, tb = _tensors(a), _tensors(b)
+    assert ta.keys() == tb.keys()
+    assert all(torch.equal(ta[k], tb[k]) for k in ta)
+
+
 def test_gptaq_quantizes_lm_head_too(tiny_llama: Path, tmp_path_factory) -> None:
-    plain = _export("gptq", tiny_llama, tmp_path_factory, quantize_lm_head=True)
+    plain = _export("gptq", tiny_llama, tmp_path_factory, quantize_lm_head=True, gptaq=False)
     asym = _export("gptq", tiny_llama, tmp_path_factory, quantize_lm_head=True, gptaq=True)
     a, b = _tensors(plain)["lm_head.qweight"], _tensors(asym)["lm_head.qweight"]
     assert a.shape == b.shape and not torch.equal(a, b)
@@ -328,7 +362,8 @@ def test_mistral_wide_heads_awq(tmp_path: Path) -> None:
 
 def test_smoothquant_scales_replay(tiny_llama: Path, tmp_path: Path) -> None:
     saved = tmp_path / "smooth.safetensors"
-    quantize_model(tiny_llama, tmp_path / "a", method="int8", scales_path=saved, **CALIB)
+    nearest = dict(method="int8", gptq_weights=False)  # GPTQ rounding would need data again
+    quantize_model(tiny_llama, tmp_path / "a", scales_path=saved, **nearest, **CALIB)
     result = ScaleResult.load(saved)
     assert list(result.scales) == [
         "model.layers.0.input_layernorm",
@@ -340,7 +375,7 @@ def test_smoothquant_scales_replay(tiny_llama: Path, tmp_path: Path) -> None:
         "model.layers.1.mlp.gate_proj",
         "model.layers.1.mlp.up_proj",
     ]
-    quantize_model(tiny_llama, tmp_path / "b", method="int8", scales_path=saved, calib="nope.txt")
+    quantize_model(tiny_llama, tmp_path / "b", scales_path=saved, calib="nope.txt", **nearest)
     a, b = _tensors(tmp_path / "a"), _tensors(tmp_path / "b")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 

@@ -458,3 +458,22 @@ def test_cli_group_size_takes_auto_and_refuses_words(tmp_path: Path) -> None:
     assert ok.exit_code == 0, ok.output
     bad = CliRunner().invoke(cli, [*args, str(tmp_path / "x"), "--group-size", "big"])
     assert bad.exit_code == 2 and "'big' is not an integer or auto" in bad.output
+
+
+def test_method_defaults_gptaq_and_gptq_rounding() -> None:
+    """Unset, gptq means GPTAQ and int8 / fp8 round their weights with GPTQ (so they calibrate);
+    explicit False turns each off, and either asked of a method it does not apply to is refused."""
+    from qserve.quantize.driver import QuantizeSettings
+
+    assert QuantizeSettings(method="gptq").gptaq
+    assert not QuantizeSettings(method="gptq", gptaq=False).gptaq
+    assert not QuantizeSettings(method="awq").gptaq
+    for method in ("int8", "fp8"):
+        assert QuantizeSettings(method=method).gptq_weights
+        assert QuantizeSettings(method=method).needs_calibration()
+    assert not QuantizeSettings(method="fp8", gptq_weights=False).needs_calibration()
+    assert not QuantizeSettings(method="rtn").gptq_weights
+    with pytest.raises(QServeError, match="gptaq is a variant of gptq, not of awq"):
+        QuantizeSettings(method="awq", gptaq=True)
+    with pytest.raises(QServeError, match="rounds int8 / fp8 weights, not gptq's"):
+        QuantizeSettings(method="gptq", gptq_weights=True)

@@ -694,11 +694,15 @@ class _BlockContext:
             self.attention_outputs = outputs if len(outputs) == len(self.X) else None
             return
         replayed = iter(self.attention_outputs)
+        own = attention.__dict__.get("forward")  # a forward already patched onto the instance
         attention.forward = lambda *args, **kw: next(replayed)  # instance attribute: shadows
         try:
             yield
         finally:
-            del attention.forward
+            if own is None:
+                del attention.forward
+            else:
+                attention.forward = own
         if next(replayed, None) is not None:
             raise RuntimeError(f"{self.prefix}{self.spec.attention}: a pass skipped a sample")
 

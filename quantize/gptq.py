@@ -106,7 +106,8 @@ ColumnQuantizer = Callable[[int, Tensor, Callable[[int], Tensor]], Tensor]
 def _error_feedback(
     W: Tensor, Hinv: Tensor, block_size: int, quantize: ColumnQuantizer, P: Tensor | None = None
 ) -> None:
-    """The GPTQ column loop over W [N, K] (in visiting order), in place.
+    """The GPTQ column loop over W [N, K] (in visiting order); W's columns after each block
+    are updated in place (its own columns are left as they were: nothing reads them again).
 
     Inside a block of `block_size` columns each column's scaled error is spread at once over
     the block's later columns; the columns after the block get the block's errors lazily, in
@@ -130,7 +131,6 @@ def _error_feedback(
                 Wqt[i] = w
                 Wt[i + 1 :].addr_(P[i1 + i, i1 + i + 1 : i2], w)
             Wt[i:].addr_(Hinv1[i, i:], err, alpha=-1)
-        W[:, i1:i2] = Wt.t()
         W[:, i2:].addmm_(Errt.t(), Hinv[i1:i2, i2:], alpha=-1)
         if Wqt is not None:
             W[:, i2:].addmm_(Wqt.t(), P[i1:i2, i2:])

@@ -29,7 +29,7 @@ METHODS = {
     "gptq-act-order": dict(method="gptq", group_size=64, desc_act=True, **CALIB),
     "awq": dict(method="awq", group_size=64, **CALIB),
     "int8": dict(method="int8", **CALIB),
-    "fp8": dict(method="fp8"),
+    "fp8": dict(method="fp8", **CALIB),  # GPTQ-rounded weights (the default) calibrate too
 }
 
 

@@ -6,8 +6,8 @@
         [--threads 1] [--output benchmarks/results/quality.json]
 
 Calibration: the bundled Moby-Dick chapters 11-135 (`qserve.quantize` default). Evaluation:
-chapters 1-10 (`moby-dick-eval`, ../shared/data), the first `--max-tokens` tokens (0: all) in
-non-overlapping `--seq-len` windows, the same token ids for every row (tokenized once).
+chapters 1-10 (`moby-dick-eval`; both bundled in qserve/data), the first `--max-tokens` tokens
+(0: all) in non-overlapping `--seq-len` windows, the same token ids for every row (tokenized once).
 
 Rows: the unquantized baseline (at `--dtype`), RTN / GPTQ / GPTQ act-order / AWQ w4, INT8
 W8A8 (SmoothQuant), FP8 W8A8 and FP8 KV (baseline weights, fp8_e4m3 pages with scale 1.0), each

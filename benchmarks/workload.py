@@ -18,10 +18,10 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Protocol
 
-CORPUS_DIR = Path(__file__).resolve().parents[2] / "shared" / "data" / "moby-dick"
+from qserve import data
+
 FIRST_CHAPTER = 11  # 1-10 are held out for evaluation (perplexity)
 LAST_CHAPTER = 135
 CHARS_PER_TOKEN = 8  # a generous bound for English BPE; the window doubles if it falls short
@@ -87,11 +87,7 @@ def _sample_lengths(rng: random.Random, config: WorkloadConfig) -> list[tuple[in
 
 def load_corpus(first: int = FIRST_CHAPTER, last: int = LAST_CHAPTER) -> str:
     """Chapters first..last of Moby-Dick, joined by blank lines."""
-    files = [CORPUS_DIR / f"chapter_{i:03d}.txt" for i in range(first, last + 1)]
-    missing = [f for f in files if not f.is_file()]
-    if missing:
-        raise FileNotFoundError(f"{missing[0]} is missing: ../shared must sit beside the repo")
-    return "\n\n".join(f.read_text(encoding="utf-8") for f in files)
+    return "\n\n".join(data.moby_dick(first, last))
 
 
 def make_workload(

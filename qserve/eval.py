@@ -20,13 +20,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from qserve.data import EVAL_CHAPTERS, moby_dick
 from qserve.errors import QServeError
 
 if TYPE_CHECKING:
     from qserve.engine.llm_engine import LLMEngine
 
-BUILTIN_EVAL_DATA = "moby-dick-eval"  # chapters 1-10 of ../shared/data/moby-dick
-EVAL_CHAPTERS = range(1, 11)
+BUILTIN_EVAL_DATA = "moby-dick-eval"  # Moby-Dick chapters 1-10, bundled in qserve/data
 LOGITS_CHUNK = 128  # rows of [chunk, vocab] fp32 logits at a time, to bound memory
 
 
@@ -42,11 +42,6 @@ class EvalResult:
 
 
 # ------------------------------------------------------------------------------------ data
-
-
-def moby_dick_folder() -> Path:
-    """../shared/data/moby-dick beside the repository (where the source tree is checked out)."""
-    return Path(__file__).resolve().parents[2] / "shared" / "data" / "moby-dick"
 
 
 def load_eval_text(data: str | Path) -> str:
@@ -65,17 +60,7 @@ def load_eval_text(data: str | Path) -> str:
 
 
 def _builtin_text() -> str:
-    folder = moby_dick_folder()
-    files = [folder / f"chapter_{i:03d}.txt" for i in EVAL_CHAPTERS]
-    missing = [f.name for f in files if not f.is_file()]
-    if missing:
-        raise QServeError(
-            f"built-in eval data {BUILTIN_EVAL_DATA} needs Moby-Dick chapters 1-10 in {folder} "
-            f"({missing[0]} is missing; ../shared/data must sit beside the repository); "
-            "pass --data FILE instead",
-            param="data",
-        )
-    return "\n".join(f.read_text(encoding="utf-8") for f in files)
+    return "\n".join(moby_dick(EVAL_CHAPTERS[0], EVAL_CHAPTERS[-1]))
 
 
 def _folder_text(folder: Path) -> str:

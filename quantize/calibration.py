@@ -1,39 +1,29 @@
 """Calibration data: text from a .txt / .jsonl file (or the bundled default), cut into windows.
 
 The default is chapters 11-135 of Moby-Dick (public domain), bundled as
-`qserve/quantize/data/moby_dick_calib.txt`.
+`qserve/data/moby_dick_calib.txt`.
 """
 
 from __future__ import annotations
 
 import json
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from qserve.data import CALIBRATION_FILE, read_text
 from qserve.errors import QServeError
 
-__all__ = ["DEFAULT_CALIBRATION", "load_calibration_text", "calibration_windows"]
-
-DEFAULT_CALIBRATION = "moby_dick_calib.txt"
-
-
-def _strip_header(text: str) -> str:
-    lines = text.splitlines()
-    while lines and (lines[0].startswith("# ") or not lines[0].strip()):
-        lines.pop(0)
-    return "\n".join(lines)
+__all__ = ["load_calibration_text", "calibration_windows"]
 
 
 def load_calibration_text(calib: str | Path | None = None) -> str:
     """Text of a .txt file, of a .jsonl file (field "text" of each line, or a bare string per
     line), or of the bundled default when `calib` is None or "default"."""
     if calib is None or str(calib) == "default":
-        path = resources.files("qserve.quantize").joinpath("data", DEFAULT_CALIBRATION)
-        return _strip_header(path.read_text(encoding="utf-8"))
+        return read_text(CALIBRATION_FILE)
     path = Path(calib)
     if not path.is_file():
         raise QServeError(f"calibration file {path} does not exist", param="calib")

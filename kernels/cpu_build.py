@@ -5,7 +5,9 @@ Each source is compiled once per machine with `torch.utils.cpp_extension.load` (
 capability, so a shared cache never hands one CPU another's build). Nothing compiles at import:
 a kernel module calls `build_library` from its own cached `load_library`. If compiling fails
 (no compiler, no ninja) the caller gets None and logs one warning; every call then takes the
-torch path. `QSERVE_CPU_KERNELS=0` turns all C++ paths off.
+torch path. `QSERVE_CPU_KERNELS=0` turns all C++ paths off; `QSERVE_CPU_KERNELS=require` makes a
+failed build (or a missing compiler) an error instead of a fallback (CI runs the installed wheel
+so).
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
+
+from qserve.errors import QServeError
 
 logger = logging.getLogger("qserve")
 
@@ -42,6 +46,23 @@ def enabled() -> bool:
 @functools.lru_cache(maxsize=8)
 def _parse_enabled(raw: str) -> bool:
     return raw.strip().lower() not in ("0", "false", "off", "no")
+
+
+def required() -> bool:
+    """QSERVE_CPU_KERNELS=require: a kernel that cannot be built is an error, not a fallback."""
+    return os.environ.get(ENV_VAR, "").strip().lower() == "require"
+
+
+def compiler() -> str | None:
+    """The C++ compiler torch's extension builder will run ($CXX, else c++), if on PATH."""
+    return shutil.which(os.environ.get("CXX", "c++"))
+
+
+def _unavailable(message: str) -> None:
+    """One warning (the torch path takes over), or, when the kernels are required, an error."""
+    if required():
+        raise QServeError(f"{message} ({ENV_VAR}=require)")
+    logger.warning("%s", message)
 
 
 @contextlib.contextmanager
@@ -71,9 +92,9 @@ def build_library(
 ) -> ctypes.CDLL | None:
     """Compile `source` (first call on this machine, a few seconds), load it and set each
     symbol's (argtypes, restype). None, with one warning naming `what`, if that fails."""
-    compiler = os.environ.get("CXX", "c++")
-    if shutil.which(compiler) is None:
-        logger.warning("no C++ compiler (%s): %s takes the torch path", compiler, what)
+    if compiler() is None:
+        cxx = os.environ.get("CXX", "c++")
+        _unavailable(f"no C++ compiler ({cxx}): {what} takes the torch path")
         return None
     try:
         lib = ctypes.CDLL(str(_build(stem, source, extra_cflags)))
@@ -82,8 +103,8 @@ def build_library(
             fn.argtypes, fn.restype = argtypes, restype
     except Exception as e:  # no ninja, a failed build: the torch path still works
         first_line = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        logger.warning("%s kernel unavailable, using the torch path: %s", what, first_line)
         logger.debug("%s build failure", what, exc_info=True)
+        _unavailable(f"{what} kernel unavailable, using the torch path: {first_line}")
         return None
     return lib
 

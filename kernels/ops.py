@@ -17,7 +17,7 @@ from typing import ParamSpec, TypeVar
 import torch
 import torch.nn.functional as F
 
-from qserve.kernels import cpu_dense, cpu_model_ops, cpu_paged_attention
+from qserve.kernels import cpu_build, cpu_dense, cpu_model_ops, cpu_paged_attention
 from qserve.kernels.attention_ref import Scale, paged_attention_ref, reshape_and_cache_ref
 from qserve.kernels.fp8_ref import fp8_scaled_mm_ref, scaled_fp8_quant_ref, w8a8_fp8_linear_ref
 from qserve.kernels.int8_ref import (
@@ -55,6 +55,18 @@ def _pick(t: torch.Tensor, ref: Callable[_P, _R], launcher: str) -> Callable[_P,
         return ref
     module, name = launcher.split(".")
     return getattr(importlib.import_module(f"qserve.kernels.{module}"), name)
+
+
+def cpu_kernel_paths() -> dict[str, str]:
+    """What runs each group of CPU ops: "C++" (compiled now, on the first call on this
+    machine) or "torch" with the reason. The W4 matmul's path is in each layer's kernel name."""
+    libraries = {
+        "paged attention": cpu_paged_attention.load_library,
+        "model ops": cpu_model_ops.load_library,
+    }
+    if not cpu_build.enabled():
+        return {name: f"torch ({cpu_build.ENV_VAR}=0)" for name in libraries}
+    return {name: "C++" if load() else "torch (build failed)" for name, load in libraries.items()}
 
 
 # ------------------------------------------------------------------------------- attention

@@ -19,6 +19,7 @@ from qserve.engine.sampler import Logprobs, make_generator
 from qserve.engine.sampling_params import SamplingParams
 from qserve.engine.scheduler import Scheduler, SchedulerConfig
 from qserve.errors import QServeError
+from qserve.kernels import ops
 from qserve.kernels.attention_ref import is_fp8
 from qserve.model.config import ModelConfig
 from qserve.model.loader import LoadReport, load_model, load_tokenizer
@@ -141,6 +142,9 @@ class LLMEngine:
             logger.info("  %-10s %s", kind, kernel)
         if report.merged:
             logger.info("  merged into one matmul each: %s", ", ".join(report.merged))
+        if torch.device(self.config.device).type == "cpu":
+            paths = ops.cpu_kernel_paths().items()
+            logger.info("CPU kernels: %s", ", ".join(f"{name} {path}" for name, path in paths))
         if is_fp8(kv_spec.dtype):
             scales = "from the checkpoint" if report.has_kv_scales else "1.0 (not calibrated)"
             logger.info("FP8 KV pages: k_scale/v_scale %s", scales)

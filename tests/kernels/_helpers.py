@@ -1,6 +1,19 @@
 """Test helpers shared by the kernel tests."""
 
+import ctypes
+
+import pytest
 import torch
+
+from qserve.kernels import cpu_build
+
+
+def require_built(library: ctypes.CDLL | None, what: str) -> None:
+    """Skip where there is no C++ compiler (the torch path is tested elsewhere); where there is
+    one, the kernel must have built (ninja comes with qserve), so a failed build fails."""
+    if cpu_build.compiler() is None:
+        pytest.skip("no C++ compiler: the torch path is tested elsewhere")
+    assert library is not None, f"the {what} kernel failed to compile"
 
 
 def assert_out_close(out: torch.Tensor, ref: torch.Tensor) -> None:

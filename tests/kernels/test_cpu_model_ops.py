@@ -19,14 +19,14 @@ import torch
 from qserve.kernels import cpu_model_ops, ops
 from qserve.kernels.attention_ref import reshape_and_cache_ref
 from qserve.kernels.model_ops_ref import rms_norm_ref, rope_neox_ref, silu_and_mul_ref
+from tests.kernels._helpers import require_built
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
 @pytest.fixture(autouse=True)
 def _built() -> None:
-    if cpu_model_ops.load_library() is None:
-        pytest.skip("the C++ model ops did not build here")
+    require_built(cpu_model_ops.load_library(), "CPU model ops")
 
 
 def norm_close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:

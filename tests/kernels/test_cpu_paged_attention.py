@@ -3,26 +3,23 @@
 from __future__ import annotations
 
 import logging
-import os
-import shutil
 import subprocess
 import sys
 
 import pytest
 import torch
 
+from qserve.errors import QServeError
+from qserve.kernels import cpu_build, ops
 from qserve.kernels import cpu_paged_attention as cpa
-from qserve.kernels import ops
 from qserve.kernels.attention_ref import paged_attention_ref, quantize_to_cache
-from tests.kernels._helpers import assert_out_close
+from tests.kernels._helpers import assert_out_close, require_built
 
 
 @pytest.fixture(scope="module")
 def compiled() -> None:
     """Wherever a C++ compiler is found, the kernel must build (ninja comes with qserve)."""
-    if shutil.which(os.environ.get("CXX", "c++")) is None:
-        pytest.skip("no C++ compiler: the torch path is tested elsewhere")
-    assert cpa.load_library() is not None, "the CPU paged-attention kernel failed to compile"
+    require_built(cpa.load_library(), "CPU paged-attention")
 
 
 needs_kernel = pytest.mark.usefixtures("compiled")
@@ -200,6 +197,42 @@ def test_failed_compile_warns_once_and_falls_back(monkeypatch, caplog) -> None:
                 torch.testing.assert_close(out, ref, rtol=0, atol=0)
         warnings = [r for r in caplog.records if "torch path" in r.message]
         assert len(warnings) == 1
+    finally:
+        cpa.load_library.cache_clear()
+
+
+def test_required_kernels_make_a_failed_build_an_error(monkeypatch) -> None:
+    """QSERVE_CPU_KERNELS=require (CI's wheel check): no fallback, a one-line QServeError."""
+    from torch.utils import cpp_extension
+
+    def broken_build(*args, **kwargs):
+        raise RuntimeError("cpu_vec.h: No such file or directory")
+
+    monkeypatch.setenv(cpa.ENV_VAR, "require")
+    monkeypatch.setattr(cpp_extension, "load", broken_build)
+    cpa.load_library.cache_clear()
+    try:
+        with pytest.raises(QServeError, match=r"cpu_vec.h: No such file.*=require"):
+            cpa.load_library()
+        monkeypatch.setenv("CXX", "no-such-compiler-here")
+        with pytest.raises(QServeError, match=r"no C\+\+ compiler \(no-such-compiler-here\)"):
+            cpa.load_library()
+    finally:
+        cpa.load_library.cache_clear()
+
+
+def test_startup_names_the_cpu_kernel_paths(monkeypatch) -> None:
+    from torch.utils import cpp_extension
+
+    monkeypatch.setenv(cpa.ENV_VAR, "0")
+    assert set(ops.cpu_kernel_paths().values()) == {"torch (QSERVE_CPU_KERNELS=0)"}
+    monkeypatch.setenv(cpa.ENV_VAR, "1")
+    if cpu_build.compiler() is not None:
+        assert ops.cpu_kernel_paths() == {"paged attention": "C++", "model ops": "C++"}
+    monkeypatch.setattr(cpp_extension, "load", lambda *a, **k: 1 / 0)
+    cpa.load_library.cache_clear()
+    try:
+        assert ops.cpu_kernel_paths()["paged attention"] == "torch (build failed)"
     finally:
         cpa.load_library.cache_clear()
 

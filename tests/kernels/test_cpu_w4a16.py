@@ -16,6 +16,7 @@ import torch
 
 from qserve.kernels import cpu_w4a16, packing
 from qserve.kernels.w4a16_ref import awq_gemm_ref, gptq_gemm_ref
+from tests.kernels._helpers import require_built
 
 # max |out - ref| / max |ref|: fp32 differs from the reference in summation order only; bf16
 # and fp16 round the output (and bf16 the input, the same for both sides) to 8 / 11 bits.
@@ -26,8 +27,7 @@ ROWS = [1, 3, 17, 64]
 @pytest.fixture(autouse=True)
 def _built() -> None:
     torch.set_num_threads(1)
-    if not cpu_w4a16.available():
-        pytest.skip("the C++ W4A16 kernel did not build here")
+    require_built(cpu_w4a16.load_library(), "CPU W4A16")
 
 
 def gptq_tensors(K: int, N: int, group: int, act_order: bool, sym: bool, seed: int):

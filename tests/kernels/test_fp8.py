@@ -1,6 +1,6 @@
 """Triton FP8 W8A8 ops against the torch references.
 
-The interpreter's fp32 -> fp8 cast is wrong (DESIGN.md 6): activation quantization values are
+The interpreter's fp32 -> fp8 cast is wrong (ARCHITECTURE.md 5): activation quantization values are
 compared on CUDA only; elsewhere the fp8 operands are made in torch.
 """
 

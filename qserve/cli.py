@@ -13,6 +13,10 @@ import click
 from qserve.errors import QServeError
 
 logger = logging.getLogger("qserve")
+# Third-party loggers that warn at import about things a qserve user cannot act on: torchao
+# (pulled in by transformers where installed) about its optional CUDA libraries, and torch's
+# pytree about torchao registering enums the deprecated way. Errors still show.
+QUIET_LOGGERS = ("torchao", "torch.utils._pytree")
 
 
 class _GroupSize(click.ParamType):
@@ -53,6 +57,8 @@ def cli(verbose: bool) -> None:
         format="%(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    for name in QUIET_LOGGERS:
+        logging.getLogger(name).setLevel(logging.DEBUG if verbose else logging.ERROR)
 
 
 def engine_options(func: Callable[..., Any]) -> Callable[..., Any]:
@@ -345,9 +351,10 @@ def eval_command(
 @click.option(
     "-o",
     "--output",
-    required=True,
+    default=None,
     type=click.Path(file_okay=False),
-    help="Checkpoint folder to write.",
+    help="Checkpoint folder to write. [default: ./MODEL-METHOD-wBITSgGROUP, e.g. "
+    "smollm2-135m-gptq-w4g64; int8: MODEL-int8-w8a8, fp8: MODEL-fp8]",
 )
 @click.option("--bits", default=None, type=int, help="4 or 8 (rtn/gptq); default 4 / 8 by method.")
 @click.option(
@@ -454,7 +461,7 @@ def eval_command(
 def quantize(
     model: str | None,
     method: str | None,
-    output: str,
+    output: str | None,
     bits: int | None,
     quiet: bool,
     calib_data: str | None,
@@ -466,6 +473,7 @@ def quantize(
 
     from transformers.utils import logging as hf_logging
 
+    from qserve.model.builtin import DEFAULT_MODEL
     from qserve.model.resolve import resolve_model
     from qserve.quantize.driver import quantize_model
     from qserve.recipe import write_provenance
@@ -479,7 +487,11 @@ def quantize(
     kw["calib"] = kw.pop("calib_data")
     start = time.monotonic()
     folder = quantize_model(
-        resolve_model(model), output, progress=None if quiet else _progress_bar, **kw
+        resolve_model(model),
+        output,
+        progress=None if quiet else _progress_bar,
+        model_name=model or DEFAULT_MODEL,
+        **kw,
     )
     write_provenance(folder, recipe, kw)
     if not quiet:

@@ -176,6 +176,17 @@ class QuantizeSettings:
         return self.method == "gptq" or (self.searches_scales and not replay)
 
     @property
+    def scheme_name(self) -> str:
+        """What a default output folder is named after: `gptq-w4g64`, `rtn-w8ch` (per
+        channel), `int8-w8a8`, `fp8`. The group size must be resolved (not "auto")."""
+        if self.method == "int8":
+            return "int8-w8a8"
+        if self.method == "fp8":
+            return "fp8"
+        groups = "ch" if self.group_size == -1 else f"g{self.group_size}"
+        return f"{self.method}-w{self.bits}{groups}"
+
+    @property
     def min_zero(self) -> int:
         # GPTQ v1 stores zero - 1: asymmetric zeros of 0 are not representable.
         return 1 if self.method in ("rtn", "gptq") else 0
@@ -208,7 +219,7 @@ class BlockResults:
 
 def quantize_model(
     model_path: str | Path,
-    output_dir: str | Path,
+    output_dir: str | Path | None = None,
     method: str = "gptq",
     bits: int = 4,
     group_size: int | str = "auto",
@@ -236,8 +247,12 @@ def quantize_model(
     overwrite: bool = False,
     progress: Progress | None = None,
     offload_dir: str | Path | None = None,
+    model_name: str | None = None,
 ) -> Path:
     """Quantize the HF model folder `model_path` into a checkpoint folder `output_dir`.
+
+    `output_dir` None: `./<model_name>-<scheme>` in the current folder (`default_output_dir`;
+    `model_name` defaults to the name of `model_path`'s folder).
 
     `group_size` "auto": the largest of 128, 64, 32 that divides every quantized linear's input
     size (128 for most models, 64 for SmolLM2's hidden size 576).
@@ -292,13 +307,15 @@ def quantize_model(
     )
     working_device = resolve_device(device)
     out_dtype = _out_dtype(dtype, method)
-    export.check_output_dir(output_dir, overwrite)
     if not Path(model_path, "config.json").is_file():
         raise QServeError(f"{model_path} is not a model folder (no config.json)", param="model")
     config = AutoConfig.from_pretrained(model_path)
     spec = arch_spec(config.model_type)
     if settings.group_size == "auto":
         settings = dataclasses.replace(settings, group_size=auto_group_size(config, spec, settings))
+    if output_dir is None:
+        output_dir = default_output_dir(model_name or Path(model_path).name, settings)
+    export.check_output_dir(output_dir, overwrite)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     loaded = _calibration_model(model_path, spec, offload_dir, output_dir, settings, out_dtype)
     with loaded as (model, blocks):
@@ -328,6 +345,12 @@ def quantize_model(
                 (tmp / SEARCH_FILE).parent.mkdir()
                 scales.save(tmp / SEARCH_FILE)
     return Path(output_dir)
+
+
+def default_output_dir(model_name: str, settings: QuantizeSettings) -> Path:
+    """`<cwd>/<model_name>-<scheme>`, e.g. smollm2-135m-gptq-w4g64 (a hub id's last part)."""
+    name = Path(model_name.rstrip("/")).name.removesuffix(".gguf")
+    return Path.cwd() / f"{name}-{settings.scheme_name}"
 
 
 @contextlib.contextmanager

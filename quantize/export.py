@@ -1,4 +1,4 @@
-"""Exporters: quantized tensors -> the on-disk formats of DESIGN.md section 4.
+"""Exporters: quantized tensors -> the on-disk formats of ARCHITECTURE.md section 4.
 
 Bit packing is `qserve.kernels.packing`'s job; this module only names tensors, picks dtypes and
 writes the configs. Tensor names per quantized linear `<name>`:
@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import os
 import shutil
 import struct
 import tempfile
@@ -223,12 +224,25 @@ def staging_dir(output_dir: str | Path, overwrite: bool = False) -> Iterator[Pat
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
         yield tmp
+        set_default_permissions(tmp)
         if out.exists():
             shutil.rmtree(out)
         tmp.rename(out)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def set_default_permissions(folder: Path) -> None:
+    """Folders 0777 and files 0666 less the umask (0755 / 0644 under the usual 022), as
+    `save_pretrained` leaves them: `mkdtemp` makes its folder 0700, which another user (a
+    server in a container with another uid) cannot read."""
+    umask = os.umask(0)
+    os.umask(umask)
+    folder.chmod(0o777 & ~umask)
+    for path in folder.rglob("*"):
+        if not path.is_symlink():
+            path.chmod((0o777 if path.is_dir() else 0o666) & ~umask)
 
 
 def write_checkpoint(

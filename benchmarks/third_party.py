@@ -11,7 +11,7 @@ on CPU). What else each tool is given:
     gptqmodel  QuantizeConfig(bits, group_size, desc_act, sym, damp_percent); its other defaults
                stand (act_group_aware when desc_act is off, true_sequential). pack_impl
                "original": the default "cpu" packer JIT-compiles a C++ extension on first use
-               (minutes on 2 cores). GPTQMODEL_CPU_WORKERS defaults to 2 (ENVIRONMENT.md).
+               (minutes on 2 cores). GPTQMODEL_CPU_WORKERS defaults to 2 (2-core machines need it).
                Unquantized tensors are saved in the dtype the model was calibrated in (fp32).
     autoawq    quant_config {w_bit 4, q_group_size, zero_point, version GEMM}; the S windows go
                in as token-id lists with max_calib_seq_len T and max_calib_samples S, which its

@@ -1,7 +1,8 @@
 """Fast CPU weight-only GEMMs on torch's own int4 / int8 kernels (bf16 activations).
 
 The torch references dequantize the whole weight on every call; on CPU, torch ships packed
-weight-only kernels that are ~3x faster than a dense bf16 matmul at decode sizes (ENVIRONMENT.md).
+weight-only kernels that are ~3x faster than a dense bf16 matmul at decode sizes (ARCHITECTURE.md
+section 5).
 Convert once at load time, then call per step:
 
     w = int4pack_from_gptq(qweight, qzeros, scales, g_idx)      # or int4pack_from_awq(...)

@@ -110,7 +110,7 @@ class QuantLinear(nn.Module):
 
 
 def _use_cpu_kernel(t: torch.Tensor, dtype: torch.dtype) -> bool:
-    """torch's CPU weight-only kernels pay off with 16-bit activations (ENVIRONMENT.md)."""
+    """torch's CPU weight-only kernels pay off with 16-bit activations (ARCHITECTURE.md 5)."""
     return t.device.type == "cpu" and dtype in HALF_DTYPES
 
 

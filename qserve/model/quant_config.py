@@ -1,8 +1,8 @@
 """Quantization schemes of checkpoints: `config.json["quantization_config"]`, checked once.
 
-A quantized checkpoint is a state dict plus a scheme (STYLE.md point 9). The scheme says, per
+A quantized checkpoint is a state dict plus a scheme. The scheme says, per
 linear module name, how its weights are stored (`LinearScheme`), or that the module stays dense.
-Formats (DESIGN.md section 4):
+Formats (ARCHITECTURE.md section 4):
 
     quant_method          LinearScheme.format   weights                activations
     gptq                  gptq                  4/8-bit, groups, g_idx  16-bit

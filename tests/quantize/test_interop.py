@@ -1,5 +1,6 @@
-"""Interop with the tools users already have (DESIGN.md section 4), on the tiny random Llama of
-`_helpers.make_tiny_model` (hidden 128, intermediate 256: group size 32 divides every in_features).
+"""Interop with the tools users already have (ARCHITECTURE.md section 4), on the tiny random
+Llama of `_helpers.make_tiny_model` (hidden 128, intermediate 256: group size 32 divides every
+in_features).
 
     a  our GPTQ export                  -> transformers (optimum + gptqmodel kernels)
     b  our AWQ export                   -> transformers' AWQ loader (gptqmodel kernels)

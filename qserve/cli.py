@@ -245,7 +245,13 @@ def _as_dict(out: Any) -> dict[str, Any]:
     "--api-key",
     envvar="QSERVE_API_KEY",
     default=None,
-    help="Require `Authorization: Bearer KEY` on every API route (env QSERVE_API_KEY).",
+    help="Require `Authorization: Bearer KEY` on every API route and /metrics "
+    "(env QSERVE_API_KEY).",
+)
+@click.option(
+    "--metrics-public",
+    is_flag=True,
+    help="Serve /metrics without the API key (it shows prefix-cache hits of every client).",
 )
 @click.option("--served-model-name", default=None, help="Model id clients send; default: MODEL.")
 @click.option(
@@ -266,6 +272,7 @@ def serve(
     host: str,
     port: int,
     api_key: str | None,
+    metrics_public: bool,
     served_model_name: str | None,
     max_queue: int,
     drain_timeout: float,
@@ -289,6 +296,7 @@ def serve(
         host=host,
         port=port,
         api_key=api_key or None,
+        metrics_public=metrics_public,
         max_queue=max_queue,
         drain_timeout=drain_timeout,
     )

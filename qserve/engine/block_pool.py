@@ -3,19 +3,33 @@
 Block size is counted in tokens. Every block object exists from the start; allocating pops the
 head of the free queue, freeing pushes to the tail. A free block keeps its hash (and stays in the
 prefix cache) until it is handed out again, so the free queue doubles as the LRU eviction order.
+
+Block keys are sha256 digests (as vLLM's default `sha256` prefix-caching hash): Python's `hash()`
+of a tuple of token ids can be made to collide on purpose, which would hand one client another's
+KV cache. A hit also compares the block's token ids, a cheap second guard.
 """
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-BlockHash = int
+BlockHash = bytes
+ROOT_HASH = bytes(32)  # the parent of a prompt's first block
 
 
-def hash_block_tokens(parent_block_hash: BlockHash | None, token_ids: Sequence[int]) -> BlockHash:
-    """A full block's hash, chained from its parent's so equal hashes mean equal prefixes."""
-    return hash((parent_block_hash, tuple(token_ids)))
+def hash_block_tokens(
+    parent_block_hash: BlockHash | None, token_ids: Sequence[int], extra_keys: bytes = b""
+) -> BlockHash:
+    """A full block's key: sha256 of its parent's key, its token ids (int64 each) and
+    `extra_keys` (a request's cache salt, on its first block), so equal keys mean equal
+    prefixes under equal salts."""
+    digest = hashlib.sha256(parent_block_hash or ROOT_HASH)
+    digest.update(array("q", token_ids).tobytes())
+    digest.update(extra_keys)
+    return digest.digest()
 
 
 @dataclass(eq=False)
@@ -23,6 +37,7 @@ class KVCacheBlock:
     block_id: int
     ref_cnt: int = 0
     block_hash: BlockHash | None = None
+    token_ids: tuple[int, ...] = ()  # of a cached block, checked on every hit
     prev_free_block: KVCacheBlock | None = field(default=None, repr=False)
     next_free_block: KVCacheBlock | None = field(default=None, repr=False)
 
@@ -87,8 +102,14 @@ class BlockPool:
         """Fraction of blocks held by requests (free cached blocks count as free)."""
         return 1.0 - self.get_num_free_blocks() / self.num_blocks
 
-    def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
-        return self.cached_block_hash_to_block.get(block_hash)
+    def get_cached_block(
+        self, block_hash: BlockHash, token_ids: Sequence[int]
+    ) -> KVCacheBlock | None:
+        """The cached block under `block_hash`, if it holds exactly `token_ids`."""
+        block = self.cached_block_hash_to_block.get(block_hash)
+        if block is None or block.token_ids != tuple(token_ids):
+            return None
+        return block
 
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
         """Pop blocks off the free queue head (evicting their cached hash), ref count 1."""
@@ -108,12 +129,16 @@ class BlockPool:
         if self.cached_block_hash_to_block.get(block.block_hash) is block:
             del self.cached_block_hash_to_block[block.block_hash]
         block.block_hash = None
+        block.token_ids = ()
 
-    def cache_full_block(self, block: KVCacheBlock, block_hash: BlockHash) -> None:
+    def cache_full_block(
+        self, block: KVCacheBlock, block_hash: BlockHash, token_ids: Sequence[int]
+    ) -> None:
         """Register a block whose tokens are all known; the first block with a hash wins."""
         if not self.enable_caching or block.block_hash is not None:
             return
         block.block_hash = block_hash
+        block.token_ids = tuple(token_ids)
         self.cached_block_hash_to_block.setdefault(block_hash, block)
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:

@@ -41,13 +41,16 @@ class KVCacheManager:
         return [b.block_id for b in self.req_to_blocks.get(request_id, [])]
 
     def block_hashes(self, request: Request) -> list[BlockHash]:
-        """Hashes of the request's full blocks so far, extended as tokens arrive."""
+        """Keys of the request's full blocks so far, extended as tokens arrive. The request's
+        cache salt goes into its first block's key, so it reaches every block of the chain."""
         hashes = self.req_to_block_hashes.setdefault(request.request_id, [])
-        bs = self.block_size
-        for i in range(len(hashes), request.num_tokens // bs):
-            parent = hashes[-1] if hashes else None
-            hashes.append(hash_block_tokens(parent, request.all_token_ids[i * bs : (i + 1) * bs]))
+        for i in range(len(hashes), request.num_tokens // self.block_size):
+            parent, salt = (hashes[-1], b"") if hashes else (None, request.cache_salt_key)
+            hashes.append(hash_block_tokens(parent, self._block_tokens(request, i), salt))
         return hashes
+
+    def _block_tokens(self, request: Request, index: int) -> list[int]:
+        return request.all_token_ids[index * self.block_size : (index + 1) * self.block_size]
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """The longest cached prefix of the request's full blocks, and its length in tokens.
@@ -56,8 +59,8 @@ class KVCacheManager:
         if not self.enable_caching:
             return [], 0
         hits: list[KVCacheBlock] = []
-        for block_hash in self.block_hashes(request):
-            block = self.block_pool.get_cached_block(block_hash)
+        for i, block_hash in enumerate(self.block_hashes(request)):
+            block = self.block_pool.get_cached_block(block_hash, self._block_tokens(request, i))
             if block is None:
                 break
             hits.append(block)
@@ -103,7 +106,7 @@ class KVCacheManager:
         hashes = self.block_hashes(request)
         blocks = self.req_to_blocks[request.request_id]
         for i in range(start, num_full):
-            self.block_pool.cache_full_block(blocks[i], hashes[i])
+            self.block_pool.cache_full_block(blocks[i], hashes[i], self._block_tokens(request, i))
         self.num_cached_block[request.request_id] = num_full
 
     def slot_usage(self, requests: list[Request]) -> tuple[int, int]:

@@ -9,8 +9,12 @@ from qserve.config import EngineConfig
 from qserve.engine.llm_engine import LLMEngine
 from qserve.engine.outputs import RequestOutput
 from qserve.engine.sampling_params import SamplingParams
+from qserve.errors import QServeError
 
-Prompt = str | list[int]
+# A text, token ids, or vLLM's dict form: {"prompt": text} or {"prompt_token_ids": ids}, with an
+# optional "cache_salt" (prefix-cache blocks are shared only between prompts of equal salt).
+Prompt = str | list[int] | dict[str, Any]
+PROMPT_KEYS = {"prompt", "prompt_token_ids", "cache_salt"}
 
 
 class LLM:
@@ -38,7 +42,8 @@ class LLM:
         for prompt, p in zip(prompts, params):
             ids.append(str(self._counter))
             self._counter += 1
-            self.engine.add_request(ids[-1], prompt, p)
+            text_or_ids, cache_salt = _unpack(prompt)
+            self.engine.add_request(ids[-1], text_or_ids, p, cache_salt=cache_salt)
         finished: dict[str, RequestOutput] = {}
         while self.engine.has_unfinished_requests():
             for output in self.engine.step():
@@ -47,8 +52,23 @@ class LLM:
         return [finished[i] for i in ids]
 
 
+def _unpack(prompt: Prompt) -> tuple[str | list[int], str | None]:
+    """(text or token ids, cache salt) of one prompt."""
+    if not isinstance(prompt, dict):
+        return prompt, None
+    unknown = set(prompt) - PROMPT_KEYS
+    if unknown or ("prompt" in prompt) == ("prompt_token_ids" in prompt):
+        raise QServeError(
+            "a prompt dict takes one of 'prompt' or 'prompt_token_ids', and 'cache_salt'"
+            + (f"; unknown keys: {', '.join(sorted(unknown))}" if unknown else ""),
+            param="prompt",
+        )
+    text_or_ids = prompt["prompt"] if "prompt" in prompt else list(prompt["prompt_token_ids"])
+    return text_or_ids, prompt.get("cache_salt")
+
+
 def _as_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
-    if isinstance(prompts, str):
+    if isinstance(prompts, str | dict):
         return [prompts]
     if prompts and isinstance(prompts[0], int):
         return [list(prompts)]  # one prompt given as token ids

@@ -162,14 +162,18 @@ class LLMEngine:
         prompt: str | list[int],
         params: SamplingParams,
         arrival_time: float | None = None,
+        cache_salt: str | None = None,
     ) -> None:
+        """Queue `params.n` samples of `prompt`. Requests share prefix-cache blocks only with
+        requests of the same `cache_salt` (None: with every unsalted request)."""
         if request_id in self.requests:
             raise QServeError(f"request id {request_id!r} is already in use", param="request_id")
         prompt_ids = self.tokenize(prompt)
         self._check_prompt(prompt_ids)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         samples = [
-            self._new_sample(request_id, i, prompt_ids, params, arrival) for i in range(params.n)
+            self._new_sample(request_id, i, prompt_ids, params, arrival, cache_salt)
+            for i in range(params.n)
         ]
         state = RequestState(
             request_id,
@@ -203,6 +207,7 @@ class LLMEngine:
         prompt_ids: list[int],
         params: SamplingParams,
         arrival: float,
+        cache_salt: str | None,
     ) -> SampleState:
         child_params = params.child_params(index) if params.n > 1 else params
         child_id = request_id if params.n == 1 else f"{index}_{request_id}"
@@ -214,6 +219,7 @@ class LLMEngine:
             self.max_model_len,
             make_generator(child_params, self.config.device),
             arrival,
+            cache_salt,
         )
         detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_ids, child_params)
         logprobs = [] if child_params.logprobs is not None else None

@@ -51,8 +51,10 @@ class Request:
         max_model_len: int | None = None,
         generator: torch.Generator | None = None,
         arrival_time: float | None = None,
+        cache_salt: str | None = None,
     ) -> None:
         self.request_id = request_id
+        self.cache_salt = cache_salt
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
         self.eos_token_ids = list(eos_token_ids or [])
@@ -65,6 +67,11 @@ class Request:
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0
+
+    @property
+    def cache_salt_key(self) -> bytes:
+        """The salt as it enters the first block's key (empty: shares with unsalted prompts)."""
+        return b"salt:" + self.cache_salt.encode() if self.cache_salt else b""
 
     @property
     def num_tokens(self) -> int:

@@ -46,7 +46,6 @@ M = TypeVar("M", bound=BaseModel)
 T = TypeVar("T")
 # A client that went away before its (non-streamed) response: nginx's "client closed request".
 CLIENT_CLOSED_REQUEST = 499
-UNAUTHENTICATED_PATHS = ("/health", "/metrics")
 
 
 @dataclass(frozen=True)
@@ -55,6 +54,9 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: str | None = None
+    # With an API key, /metrics needs it too (its counters tell what other clients' prompts hit
+    # in the prefix cache) unless this is set; /health never needs it.
+    metrics_public: bool = False
     max_queue: int = 1024  # requests admitted beyond max_num_seqs; more get 429
     drain_timeout: float = 30.0  # seconds a shutdown waits for requests in flight
     ping_interval: float = 15.0  # seconds between SSE keep-alive comments
@@ -111,7 +113,7 @@ def _add_routes(app: FastAPI, server: Server) -> None:
     async def health() -> Response:
         return Response(status_code=200 if server.engine.is_alive else 503)
 
-    @app.get("/metrics")
+    @app.get("/metrics", dependencies=[] if server.config.metrics_public else auth)
     async def metrics() -> Response:
         return Response(server.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 

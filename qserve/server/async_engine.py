@@ -169,6 +169,7 @@ class AsyncLLMEngine:
         prompt: str | list[int],
         params: SamplingParams,
         add_special_tokens: bool = True,
+        cache_salt: str | None = None,
     ) -> RequestStream:
         """Tokenize and check the prompt, queue the request; QServeError for bad input."""
         if self.max_num_requests is not None and self.num_requests >= self.max_num_requests:
@@ -178,7 +179,9 @@ class AsyncLLMEngine:
         arrival = time.monotonic()
         try:
             await self.call(
-                lambda engine: _add(engine, request_id, prompt, params, add_special_tokens, arrival)
+                lambda engine: _add(
+                    engine, request_id, prompt, params, add_special_tokens, arrival, cache_salt
+                )
             )
         except BaseException:
             self._streams.pop(request_id, None)
@@ -281,11 +284,12 @@ def _add(
     params: SamplingParams,
     add_special_tokens: bool,
     arrival: float,
+    cache_salt: str | None,
 ) -> None:
     if isinstance(prompt, str):
         prompt = engine.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
     check_context_length(len(prompt), params.max_tokens, engine.max_model_len)
-    engine.add_request(request_id, prompt, params, arrival_time=arrival)
+    engine.add_request(request_id, prompt, params, arrival_time=arrival, cache_salt=cache_salt)
 
 
 def check_context_length(

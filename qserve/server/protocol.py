@@ -111,6 +111,8 @@ class SamplingRequest(OpenAIModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    # vLLM's field: requests share prefix-cache blocks only with requests of the same salt
+    cache_salt: Annotated[str, Field(min_length=1, max_length=256)] | None = None
 
     @property
     def include_usage(self) -> bool:

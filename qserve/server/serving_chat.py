@@ -31,7 +31,9 @@ class OpenAIServingChat(OpenAIServing):
         prompt = self.render(request.messages, request.add_generation_prompt)
         request_id = random_id("chatcmpl")
         # The template already wrote the special tokens (BOS, role markers): add none.
-        streams = await self.add_requests(request_id, [prompt], params, add_special_tokens=False)
+        streams = await self.add_requests(
+            request_id, [prompt], params, add_special_tokens=False, cache_salt=request.cache_salt
+        )
         if request.stream:
             return SSEStream(self._stream(request_id, request, streams), streams)
         (output,) = await collect(streams)

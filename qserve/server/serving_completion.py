@@ -56,7 +56,9 @@ class OpenAIServingCompletion(OpenAIServing):
         params = request.sampling_params()
         prompts = request.prompts()
         request_id = random_id("cmpl")
-        streams = await self.add_requests(request_id, prompts, params)
+        streams = await self.add_requests(
+            request_id, prompts, params, cache_salt=request.cache_salt
+        )
         if request.stream:
             return SSEStream(self._stream(request_id, request, prompts, streams), streams)
         outputs = await collect(streams)

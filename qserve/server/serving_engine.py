@@ -45,6 +45,7 @@ class OpenAIServing:
         prompts: list[str | list[int]],
         params: SamplingParams,
         add_special_tokens: bool = True,
+        cache_salt: str | None = None,
     ) -> list[RequestStream]:
         """One engine request per prompt (`{request_id}-{i}`); all or none are added."""
         streams: list[RequestStream] = []
@@ -52,7 +53,9 @@ class OpenAIServing:
             for i, prompt in enumerate(prompts):
                 sub_id = request_id if len(prompts) == 1 else f"{request_id}-{i}"
                 streams.append(
-                    await self.engine.add_request(sub_id, prompt, params, add_special_tokens)
+                    await self.engine.add_request(
+                        sub_id, prompt, params, add_special_tokens, cache_salt
+                    )
                 )
         except BaseException:
             close_all(streams)

@@ -51,18 +51,35 @@ def test_cached_free_block_is_evicted_when_reused():
     pool = BlockPool(1)
     (block,) = pool.get_new_blocks(1)
     h = hash_block_tokens(None, [1, 2])
-    pool.cache_full_block(block, h)
+    pool.cache_full_block(block, h, [1, 2])
     pool.free_blocks([block])
-    assert pool.get_cached_block(h) is block  # free but still cached
+    assert pool.get_cached_block(h, [1, 2]) is block  # free but still cached
     pool.touch([block])  # a hit takes it back out of the free queue
     assert pool.get_num_free_blocks() == 0
     pool.free_blocks([block])
     (again,) = pool.get_new_blocks(1)
     assert again is block and block.block_hash is None
-    assert pool.get_cached_block(h) is None
+    assert pool.get_cached_block(h, [1, 2]) is None
 
 
 def test_hash_chains_parent():
     a = hash_block_tokens(None, [1, 2, 3])
     assert hash_block_tokens(a, [4]) != hash_block_tokens(None, [4])
     assert hash_block_tokens(a, [4]) == hash_block_tokens(hash_block_tokens(None, [1, 2, 3]), [4])
+
+
+def test_hash_is_sha256_of_parent_tokens_and_extra_keys():
+    a = hash_block_tokens(None, [1, 2, 3])
+    assert isinstance(a, bytes) and len(a) == 32
+    assert hash_block_tokens(None, [1, 2, 3], b"salt:x") != a
+    assert hash_block_tokens(None, [1, 2, 3], b"salt:x") != hash_block_tokens(None, [1, 2, 3], b"y")
+
+
+def test_a_hit_must_hold_the_same_tokens():
+    """The token check guards a hit even if two keys ever collided."""
+    pool = BlockPool(1)
+    (block,) = pool.get_new_blocks(1)
+    h = hash_block_tokens(None, [1, 2])
+    pool.cache_full_block(block, h, [1, 2])
+    assert pool.get_cached_block(h, [1, 3]) is None
+    assert pool.get_cached_block(h, [1, 2]) is block

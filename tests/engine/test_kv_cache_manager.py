@@ -94,3 +94,31 @@ def test_no_caching_means_no_hits():
     admit(m, make_request("a", list(range(8))))
     hits, num_computed = m.get_computed_blocks(make_request("b", list(range(8))))
     assert hits == [] and num_computed == 0
+
+
+# Two 16-token blocks whose Python tuple hashes are equal (CPython's tuple hash is not built to
+# resist this; found by sorting 60M prefixes' states). As `hash((parent, tuple(ids)))` block keys
+# they collided, and the second prompt was served the first one's KV cache.
+COLLIDING_BLOCKS = (
+    [15, 43407, 504, 2365, 314, 1132, 28, 260, 4132, 282, 1400, 30, 33, 4475, 30, 6634],
+    [170, 29088, 504, 2365, 314, 1132, 28, 260, 4132, 282, 1400, 30, 33, 4475, 30, 0],
+)
+
+
+def test_python_hash_collision_is_not_a_cache_hit():
+    a, b = COLLIDING_BLOCKS
+    assert a != b and hash((None, tuple(a))) == hash((None, tuple(b)))
+    m = KVCacheManager(num_blocks=10, block_size=16)
+    admit(m, make_request("attacker", b + [7]))
+    hits, num_computed = m.get_computed_blocks(make_request("victim", a + [7]))
+    assert hits == [] and num_computed == 0
+
+
+def test_cache_salt_isolates_prefixes():
+    m = KVCacheManager(num_blocks=10, block_size=4)
+    tokens = list(range(9))
+    admit(m, Request("a", tokens, SamplingParams(max_tokens=4), cache_salt="tenant-1"))
+    for salt, num_hit in ((None, 0), ("tenant-2", 0), ("tenant-1", 8)):
+        request = Request("b", tokens, SamplingParams(max_tokens=4), cache_salt=salt)
+        assert m.get_computed_blocks(request)[1] == num_hit
+        m.forget(request)

@@ -92,6 +92,19 @@ def test_second_request_reuses_the_prompt_prefix(model_dir, prompts, expected):
     assert stats.hits - hits_before == (200 // 16) * 16
 
 
+def test_cache_salt_shares_blocks_only_within_a_salt(model_dir, prompts, expected):
+    llm = make_llm(model_dir)
+    stats = llm.engine.scheduler.kv_cache_manager.prefix_cache_stats
+    salted = {"prompt_token_ids": prompts[7], "cache_salt": "tenant-a"}
+    assert token_ids(llm, [salted]) == [expected[7]]
+    for prompt, hits in ((prompts[7], 0), ({**salted, "cache_salt": "b"}, 0), (salted, 192)):
+        hits_before = stats.hits
+        assert token_ids(llm, [prompt]) == [expected[7]]
+        assert stats.hits - hits_before == hits
+    with pytest.raises(QServeError, match="one of 'prompt' or 'prompt_token_ids'"):
+        llm.generate({"prompt_ids": prompts[0]})
+
+
 def test_n_samples_share_the_prompt_blocks(model_dir, prompts):
     llm = make_llm(model_dir)
     engine = llm.engine

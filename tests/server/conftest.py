@@ -48,7 +48,7 @@ class RunningServer:
 
     def metrics(self) -> dict[str, float]:
         """Every sample of /metrics by name (labels dropped; names are unique here)."""
-        text = self.http.get("/metrics").text
+        text = self.http.get("/metrics", headers=self.auth).text
         return {
             sample.name: sample.value
             for family in text_string_to_metric_families(text)

@@ -159,9 +159,11 @@ def test_api_key_is_required(server: RunningServer, headers: dict[str, str]) -> 
     _assert_error_body(server.http.get("/v1/models", headers=headers), 401)
 
 
-def test_health_and_metrics_need_no_key(server: RunningServer) -> None:
+def test_health_needs_no_key_and_metrics_does(server: RunningServer) -> None:
     assert server.http.get("/health").status_code == 200
-    assert server.http.get("/metrics").status_code == 200
+    error = _assert_error_body(server.http.get("/metrics"), 401)
+    assert error["code"] == "invalid_api_key"
+    assert server.http.get("/metrics", headers=server.auth).status_code == 200
 
 
 def test_unknown_route_and_method(server: RunningServer) -> None:

@@ -259,7 +259,48 @@ def _as_dict(out: Any) -> dict[str, Any]:
     default=1024,
     show_default=True,
     type=click.IntRange(0),
-    help="Requests admitted beyond --max-num-seqs; more get 429 with Retry-After.",
+    help="Sequences (prompts x n) admitted beyond --max-num-seqs; more get 429 with Retry-After.",
+)
+@click.option(
+    "--max-request-body",
+    default="8MiB",
+    show_default=True,
+    help="Largest request body (e.g. 8MiB); a larger one gets 413.",
+)
+@click.option(
+    "--max-prompts-per-request",
+    default=256,
+    show_default=True,
+    type=click.IntRange(1),
+    help="Prompts in one /v1/completions request.",
+)
+@click.option(
+    "--max-seqs-per-request",
+    default=256,
+    show_default=True,
+    type=click.IntRange(1),
+    help="Sequences (prompts x n) one request may ask for.",
+)
+@click.option(
+    "--max-stop-strings",
+    default=64,
+    show_default=True,
+    type=click.IntRange(1),
+    help="Stop strings in one request.",
+)
+@click.option(
+    "--max-stop-chars",
+    default=4096,
+    show_default=True,
+    type=click.IntRange(1),
+    help="Characters of all of a request's stop strings together.",
+)
+@click.option(
+    "--max-tokens-default",
+    default=None,
+    type=click.IntRange(1),
+    help="max_tokens of a request that gives none. [default: 16 on /v1/completions (vLLM's), "
+    "the rest of the context on chat (OpenAI's)]",
 )
 @click.option(
     "--drain-timeout",
@@ -275,15 +316,23 @@ def serve(
     metrics_public: bool,
     served_model_name: str | None,
     max_queue: int,
+    max_request_body: str,
+    max_prompts_per_request: int,
+    max_seqs_per_request: int,
+    max_stop_strings: int,
+    max_stop_chars: int,
+    max_tokens_default: int | None,
     drain_timeout: float,
     **engine_kw: Any,
 ) -> None:
     """Serve MODEL behind an OpenAI-compatible HTTP API (MODEL defaults to smollm2-135m)."""
+    from qserve.config import parse_memory
     from qserve.engine.llm_engine import LLMEngine
     from qserve.model.builtin import DEFAULT_MODEL
 
     try:
         from qserve.server.api_server import ServerConfig, run_server
+        from qserve.server.limits import RequestLimits
     except ImportError as exc:
         if (exc.name or "").startswith("qserve"):
             raise
@@ -299,6 +348,14 @@ def serve(
         metrics_public=metrics_public,
         max_queue=max_queue,
         drain_timeout=drain_timeout,
+        limits=RequestLimits(
+            max_body_bytes=parse_memory(max_request_body),
+            max_prompts=max_prompts_per_request,
+            max_seqs=max_seqs_per_request,
+            max_stop_strings=max_stop_strings,
+            max_stop_chars=max_stop_chars,
+        ),
+        max_tokens_default=max_tokens_default,
     )
     engine = LLMEngine(engine_config(**engine_kw))
     run_server(engine, config)

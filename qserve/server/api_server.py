@@ -9,7 +9,7 @@ import signal
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from fastapi import Depends, FastAPI, Request
@@ -19,6 +19,7 @@ from pydantic import BaseModel, ValidationError
 from sse_starlette import EventSourceResponse
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from qserve.engine.llm_engine import LLMEngine
 from qserve.errors import QServeError
@@ -28,6 +29,7 @@ from qserve.server.async_engine import (
     EngineDeadError,
     QueueFullError,
 )
+from qserve.server.limits import RequestLimits, check_text_length
 from qserve.server.metrics import ServerMetrics, StatLogger
 from qserve.server.protocol import (
     APIError,
@@ -57,11 +59,15 @@ class ServerConfig:
     # With an API key, /metrics needs it too (its counters tell what other clients' prompts hit
     # in the prefix cache) unless this is set; /health never needs it.
     metrics_public: bool = False
-    max_queue: int = 1024  # requests admitted beyond max_num_seqs; more get 429
+    max_queue: int = 1024  # sequences admitted beyond max_num_seqs; more get 429
     drain_timeout: float = 30.0  # seconds a shutdown waits for requests in flight
     ping_interval: float = 15.0  # seconds between SSE keep-alive comments
     log_interval: float = 10.0  # seconds between throughput / queue / KV cache log lines
     log_level: str = "info"
+    limits: RequestLimits = field(default_factory=RequestLimits)
+    # max_tokens of a request without one: None is 16 on /v1/completions (vLLM's default) and
+    # the rest of the context on /v1/chat/completions (OpenAI's)
+    max_tokens_default: int | None = None
 
 
 class Server:
@@ -69,12 +75,13 @@ class Server:
 
     def __init__(self, engine: LLMEngine, config: ServerConfig) -> None:
         self.config = config
-        max_requests = engine.config.max_num_seqs + config.max_queue
+        max_seqs = engine.config.max_num_seqs + config.max_queue
         self.metrics = ServerMetrics(config.served_model_name, lambda: self.engine.stats)
-        self.engine = AsyncLLMEngine(engine, max_requests, observer=self.metrics)
+        self.engine = AsyncLLMEngine(engine, max_seqs, observer=self.metrics)
         self.stat_logger = StatLogger(self.metrics, lambda: self.engine.stats, config.log_interval)
-        self.completion = OpenAIServingCompletion(self.engine, config.served_model_name)
-        self.chat = OpenAIServingChat(self.engine, config.served_model_name)
+        serving = (self.engine, config.served_model_name, config.limits, config.max_tokens_default)
+        self.completion = OpenAIServingCompletion(*serving)
+        self.chat = OpenAIServingChat(*serving)
 
     async def check_api_key(self, request: Request) -> None:
         if self.config.api_key is None:
@@ -123,26 +130,29 @@ def _add_routes(app: FastAPI, server: Server) -> None:
 
     @app.post("/v1/completions", dependencies=auth)
     async def completions(request: Request) -> Response:
-        body = await parse_body(request, CompletionRequest)
+        body = await parse_body(request, CompletionRequest, server.config.limits)
         result = await until_disconnected(request, server.completion.create(body))
         return _respond(result, server.config.ping_interval)
 
     @app.post("/v1/chat/completions", dependencies=auth)
     async def chat_completions(request: Request) -> Response:
-        body = await parse_body(request, ChatCompletionRequest)
+        body = await parse_body(request, ChatCompletionRequest, server.config.limits)
         result = await until_disconnected(request, server.chat.create(body))
         return _respond(result, server.config.ping_interval)
 
     @app.post("/tokenize", dependencies=auth)
     async def tokenize(request: Request) -> dict[str, Any]:
-        return await _tokenize(server, await parse_body(request, TokenizeRequest))
+        body = await parse_body(request, TokenizeRequest, server.config.limits)
+        return await _tokenize(server, body)
 
     @app.post("/detokenize", dependencies=auth)
     async def detokenize(request: Request) -> dict[str, Any]:
-        body = await parse_body(request, DetokenizeRequest)
+        body = await parse_body(request, DetokenizeRequest, server.config.limits)
         server.completion.check_model(body.model)
-        text = await server.engine.call(lambda e: _decode(e, body.tokens))
-        return {"prompt": text}
+        vocab = server.engine.engine.model_config.vocab_size
+        if any(not 0 <= t < vocab for t in body.tokens):
+            raise QServeError(f"token ids must be in [0, {vocab})", param="tokens")
+        return {"prompt": await server.engine.tokenizer.decode(body.tokens)}
 
 
 def _model_card(server: Server) -> dict[str, Any]:
@@ -160,25 +170,14 @@ async def _tokenize(server: Server, body: TokenizeRequest) -> dict[str, Any]:
     server.chat.check_model(body.model)
     if (body.prompt is None) == (body.messages is None):
         raise APIError("send exactly one of prompt and messages", param="prompt")
+    worker, max_model_len = server.engine.tokenizer, server.engine.engine.max_model_len
     if body.messages is not None:
-        text, special = server.chat.render(body.messages, body.add_generation_prompt), False
+        text, special = await worker.render(body.messages, body.add_generation_prompt), False
     else:
         text, special = body.prompt or "", body.add_special_tokens
-    tokens = await server.engine.call(
-        lambda e: e.tokenizer.encode(text, add_special_tokens=special)
-    )
-    return {
-        "tokens": tokens,
-        "count": len(tokens),
-        "max_model_len": server.engine.engine.max_model_len,
-    }
-
-
-def _decode(engine: LLMEngine, tokens: list[int]) -> str:
-    vocab = engine.model_config.vocab_size
-    if any(not 0 <= t < vocab for t in tokens):
-        raise QServeError(f"token ids must be in [0, {vocab})", param="tokens")
-    return engine.tokenizer.decode(tokens)
+    check_text_length(text, max_model_len, worker.max_token_chars)
+    tokens = await worker.encode(text, special)
+    return {"tokens": tokens, "count": len(tokens), "max_model_len": max_model_len}
 
 
 def _respond(result: dict[str, Any] | SSEStream, ping_interval: float) -> Response:
@@ -192,9 +191,14 @@ def _respond(result: dict[str, Any] | SSEStream, ping_interval: float) -> Respon
     )
 
 
-async def parse_body(request: Request, model: type[M]) -> M:
-    """The JSON body as `model`, strictly typed; ValidationError (a 400) otherwise."""
-    return model.model_validate_json(await request.body())
+async def parse_body(request: Request, model: type[M], limits: RequestLimits) -> M:
+    """The JSON body as `model`, strictly typed; ValidationError (a 400) otherwise, 413 over
+    the size limit, and a quiet 499 when the client goes away while sending it."""
+    try:
+        body = await limits.read_body(request)
+    except ClientDisconnect:
+        raise APIError("the client closed the request", CLIENT_CLOSED_REQUEST) from None
+    return model.model_validate_json(body)
 
 
 async def until_disconnected(request: Request, work: Awaitable[T]) -> T:

@@ -1,12 +1,14 @@
 """The engine behind asyncio.
 
 `LLMEngine` is not thread-safe, so one thread owns it: it runs every call that the event loop posts
-to its inbox (add, abort, tokenize), then steps the engine, and hands each step's outputs back to
-the loop, which routes them to per-request queues. Everything that touches the engine or its
-tokenizer's encoder runs on that thread; the loop only awaits.
+to its inbox (add, abort), then steps the engine, and hands each step's outputs back to the loop,
+which routes them to per-request queues. Everything that touches the engine runs on that thread;
+prompts are tokenized before, on the tokenizer worker's thread (`tokenizer_worker`), so a long
+prompt stalls neither the loop nor the steps. The loop only awaits.
 
-    event loop                          engine thread
-    add_request() --(inbox: call)-->    tokenize, check, engine.add_request
+    event loop                                       engine thread
+    add_request() --(tokenizer thread: encode)-->
+                  --(inbox: call)-->                 check, engine.add_request
                   <--(future)--------
     RequestStream <--(call_soon_threadsafe)-- engine.step() -> list[RequestOutput]
     stream closed --(inbox: abort)-->   engine.abort_request (frees the blocks)
@@ -27,6 +29,8 @@ from qserve.engine.llm_engine import LLMEngine
 from qserve.engine.outputs import RequestOutput
 from qserve.engine.sampling_params import SamplingParams
 from qserve.errors import QServeError
+from qserve.server.limits import check_text_length
+from qserve.server.tokenizer_worker import TokenizerWorker
 
 logger = logging.getLogger("qserve")
 
@@ -40,7 +44,7 @@ class EngineDeadError(RuntimeError):
 
 
 class QueueFullError(RuntimeError):
-    """More requests are in flight than the server admits (--max-queue)."""
+    """More sequences are in flight than the server admits (--max-queue)."""
 
 
 class ContextLengthError(QServeError):
@@ -87,8 +91,9 @@ class StepObserver:
 class RequestStream:
     """The outputs of one request, in order; iterating ends after the finished output."""
 
-    def __init__(self, request_id: str, engine: AsyncLLMEngine) -> None:
+    def __init__(self, request_id: str, engine: AsyncLLMEngine, num_seqs: int = 1) -> None:
         self.request_id = request_id
+        self.num_seqs = num_seqs  # the request's n: the sequences it holds in the engine
         self.finished = False
         self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._engine = engine
@@ -116,12 +121,13 @@ class AsyncLLMEngine:
     def __init__(
         self,
         engine: LLMEngine,
-        max_num_requests: int | None = None,
+        max_num_seqs: int | None = None,
         observer: StepObserver | None = None,
     ) -> None:
         self.engine = engine
-        self.max_num_requests = max_num_requests  # in flight, running or waiting
+        self.max_num_seqs = max_num_seqs  # sequences in flight, running or waiting
         self.observer = observer or StepObserver()
+        self.tokenizer = TokenizerWorker(engine.tokenizer)
         self.stats = EngineStats.read(engine)
         self._inbox: queue.SimpleQueue[EngineCall | None] = queue.SimpleQueue()
         self._streams: dict[str, RequestStream] = {}  # touched on the loop thread only
@@ -144,10 +150,30 @@ class AsyncLLMEngine:
     def num_requests(self) -> int:
         return len(self._streams)
 
+    @property
+    def num_seqs(self) -> int:
+        return sum(stream.num_seqs for stream in self._streams.values())
+
+    def check_room(self, num_seqs: int) -> None:
+        """QueueFullError unless `num_seqs` more sequences fit (--max-queue counts sequences);
+        a request larger than the whole queue could never fit: a QServeError (400)."""
+        if self.max_num_seqs is not None and num_seqs > self.max_num_seqs:
+            raise QServeError(
+                f"this request asks for {num_seqs} sequences (prompts x n); the server holds at "
+                f"most {self.max_num_seqs} at a time",
+                param="n",
+            )
+        if self.max_num_seqs is not None and self.num_seqs + num_seqs > self.max_num_seqs:
+            raise QueueFullError(
+                f"{self.num_seqs} sequences are in flight and this request adds {num_seqs}; "
+                "try again later"
+            )
+
     async def shutdown(self, timeout: float = 10.0) -> None:
         """Stop the engine thread; requests still in flight end with EngineDeadError."""
         self._stopping = True
         self._inbox.put(None)
+        self.tokenizer.shutdown()
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, timeout)
         self._fail_all(EngineDeadError("the server is shutting down"))
@@ -172,15 +198,16 @@ class AsyncLLMEngine:
         cache_salt: str | None = None,
     ) -> RequestStream:
         """Tokenize and check the prompt, queue the request; QServeError for bad input."""
-        if self.max_num_requests is not None and self.num_requests >= self.max_num_requests:
-            raise QueueFullError(f"{self.num_requests} requests are in flight; try again later")
-        stream = RequestStream(request_id, self)
+        self.check_room(params.n)
+        stream = RequestStream(request_id, self, params.n)
         self._streams[request_id] = stream
         arrival = time.monotonic()
         try:
+            prompt_ids = await self._tokenize(prompt, add_special_tokens)
+            check_context_length(len(prompt_ids), params, self.engine.max_model_len)
             await self.call(
-                lambda engine: _add(
-                    engine, request_id, prompt, params, add_special_tokens, arrival, cache_salt
+                lambda engine: engine.add_request(
+                    request_id, prompt_ids, params, arrival_time=arrival, cache_salt=cache_salt
                 )
             )
         except BaseException:
@@ -189,6 +216,12 @@ class AsyncLLMEngine:
             self.abort(request_id)  # no-op unless cancelled after the add ran
             raise
         return stream
+
+    async def _tokenize(self, prompt: str | list[int], add_special_tokens: bool) -> list[int]:
+        if not isinstance(prompt, str):
+            return prompt
+        check_text_length(prompt, self.engine.max_model_len, self.tokenizer.max_token_chars)
+        return await self.tokenizer.encode(prompt, add_special_tokens)
 
     def abort(self, request_id: str) -> None:
         self._streams.pop(request_id, None)
@@ -277,24 +310,11 @@ class AsyncLLMEngine:
             stream.put(exc)
 
 
-def _add(
-    engine: LLMEngine,
-    request_id: str,
-    prompt: str | list[int],
-    params: SamplingParams,
-    add_special_tokens: bool,
-    arrival: float,
-    cache_salt: str | None,
-) -> None:
-    if isinstance(prompt, str):
-        prompt = engine.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
-    check_context_length(len(prompt), params.max_tokens, engine.max_model_len)
-    engine.add_request(request_id, prompt, params, arrival_time=arrival, cache_salt=cache_salt)
-
-
 def check_context_length(
-    num_prompt_tokens: int, max_tokens: int | None, max_model_len: int
+    num_prompt_tokens: int, params: SamplingParams, max_model_len: int
 ) -> None:
+    """The prompt leaves room for max_tokens, and for min_tokens."""
+    max_tokens, min_tokens = params.max_tokens, params.min_tokens
     if num_prompt_tokens >= max_model_len:
         raise ContextLengthError(
             f"This model's maximum context length is {max_model_len} tokens; the prompt has "
@@ -307,6 +327,12 @@ def check_context_length(
             f"requested {num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the "
             f"prompt, {max_tokens} for the completion). Please reduce the prompt or max_tokens.",
             param="max_tokens",
+        )
+    if num_prompt_tokens + min_tokens > max_model_len:
+        raise ContextLengthError(
+            f"min_tokens={min_tokens} does not fit: the prompt has {num_prompt_tokens} tokens "
+            f"and this model's maximum context length is {max_model_len} tokens.",
+            param="min_tokens",
         )
 
 

@@ -17,6 +17,8 @@ from qserve.errors import QServeError
 MAX_N = 128
 # OpenAI's limit on completions' `logprobs`; chat's `top_logprobs` goes to 20.
 MAX_COMPLETION_LOGPROBS = 20
+# /v1/completions without max_tokens (or with null): vLLM's and OpenAI's default
+COMPLETION_MAX_TOKENS = 16
 
 T = TypeVar("T")
 
@@ -151,12 +153,14 @@ class SamplingRequest(OpenAIModel):
 
 class CompletionRequest(SamplingRequest):
     prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = 16
+    max_tokens: int | None = None
     logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None
 
-    def sampling_params(self) -> SamplingParams:
+    def sampling_params(self, default_max_tokens: int | None = None) -> SamplingParams:
+        """`default_max_tokens` (the server's --max-tokens-default, else 16) stands in for a
+        missing or null max_tokens."""
         if self.suffix:
             raise QServeError("suffix is not supported", param="suffix")
         if self.logprobs is not None and self.logprobs > MAX_COMPLETION_LOGPROBS:
@@ -166,7 +170,8 @@ class CompletionRequest(SamplingRequest):
             )
         if self.echo and self.logprobs is not None:
             raise QServeError("echo with logprobs (prompt logprobs) is not supported", "echo")
-        return self.to_sampling_params(self.max_tokens, self.logprobs)
+        default = _or(default_max_tokens, COMPLETION_MAX_TOKENS)
+        return self.to_sampling_params(_or(self.max_tokens, default), self.logprobs)
 
     def prompts(self) -> list[str | list[int]]:
         """The batch of prompts: a string or token ids is a batch of one."""
@@ -206,11 +211,13 @@ class ChatCompletionRequest(SamplingRequest):
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
 
-    def sampling_params(self) -> SamplingParams:
+    def sampling_params(self, default_max_tokens: int | None = None) -> SamplingParams:
+        """Without max_completion_tokens / max_tokens: `default_max_tokens` (the server's
+        --max-tokens-default), else up to the end of the context, as OpenAI and vLLM."""
         if self.top_logprobs is not None and not self.logprobs:
             raise QServeError("top_logprobs needs logprobs: true", param="top_logprobs")
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        max_tokens = _or(self.max_completion_tokens, self.max_tokens)
+        max_tokens = _or(_or(self.max_completion_tokens, self.max_tokens), default_max_tokens)
         return self.to_sampling_params(max_tokens, logprobs)
 
 

@@ -8,7 +8,7 @@ from contextlib import aclosing
 from qserve.engine.outputs import CompletionOutput, RequestOutput
 from qserve.engine.sampler import Logprobs
 from qserve.server.async_engine import RequestStream
-from qserve.server.protocol import APIError, ChatCompletionRequest, ChatMessage
+from qserve.server.protocol import ChatCompletionRequest
 from qserve.server.serving_engine import (
     Json,
     OpenAIServing,
@@ -27,8 +27,8 @@ from qserve.server.serving_engine import (
 class OpenAIServingChat(OpenAIServing):
     async def create(self, request: ChatCompletionRequest) -> Json | SSEStream:
         self.check_model(request.model)
-        params = request.sampling_params()
-        prompt = self.render(request.messages, request.add_generation_prompt)
+        params = request.sampling_params(self.max_tokens_default)
+        prompt = await self.engine.tokenizer.render(request.messages, request.add_generation_prompt)
         request_id = random_id("chatcmpl")
         # The template already wrote the special tokens (BOS, role markers): add none.
         streams = await self.add_requests(
@@ -38,19 +38,6 @@ class OpenAIServingChat(OpenAIServing):
             return SSEStream(self._stream(request_id, request, streams), streams)
         (output,) = await collect(streams)
         return self._response(request_id, request, output)
-
-    def render(self, messages: list[ChatMessage], add_generation_prompt: bool) -> str:
-        """The prompt text the tokenizer's chat template makes of `messages`."""
-        if not getattr(self.tokenizer, "chat_template", None):
-            raise APIError("this model's tokenizer has no chat template", param="messages")
-        try:
-            return self.tokenizer.apply_chat_template(
-                [m.template_dict() for m in messages],
-                tokenize=False,
-                add_generation_prompt=add_generation_prompt,
-            )
-        except Exception as exc:  # jinja raises what the template author chose
-            raise APIError(f"the chat template failed: {exc}", param="messages") from None
 
     # -- whole response ------------------------------------------------------------------------
 

@@ -53,7 +53,7 @@ class _StreamState:
 class OpenAIServingCompletion(OpenAIServing):
     async def create(self, request: CompletionRequest) -> Json | SSEStream:
         self.check_model(request.model)
-        params = request.sampling_params()
+        params = request.sampling_params(self.max_tokens_default)
         prompts = request.prompts()
         request_id = random_id("cmpl")
         streams = await self.add_requests(

@@ -15,6 +15,7 @@ from typing import Any
 from qserve.engine.outputs import RequestOutput
 from qserve.engine.sampling_params import SamplingParams
 from qserve.server.async_engine import AsyncLLMEngine, EngineDeadError, RequestStream
+from qserve.server.limits import RequestLimits
 from qserve.server.protocol import APIError
 
 logger = logging.getLogger("qserve")
@@ -23,9 +24,17 @@ Json = dict[str, Any]
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncLLMEngine, served_model_name: str) -> None:
+    def __init__(
+        self,
+        engine: AsyncLLMEngine,
+        served_model_name: str,
+        limits: RequestLimits | None = None,
+        max_tokens_default: int | None = None,
+    ) -> None:
         self.engine = engine
         self.served_model_name = served_model_name
+        self.limits = limits or RequestLimits()
+        self.max_tokens_default = max_tokens_default
         self.tokenizer = engine.engine.tokenizer
         self._token_texts: dict[int, str] = {}
 
@@ -47,7 +56,10 @@ class OpenAIServing:
         add_special_tokens: bool = True,
         cache_salt: str | None = None,
     ) -> list[RequestStream]:
-        """One engine request per prompt (`{request_id}-{i}`); all or none are added."""
+        """One engine request per prompt (`{request_id}-{i}`); all or none are added, and
+        none unless the request is within the limits and its sequences fit the queue."""
+        self.limits.check_request(len(prompts), params)
+        self.engine.check_room(len(prompts) * params.n)
         streams: list[RequestStream] = []
         try:
             for i, prompt in enumerate(prompts):

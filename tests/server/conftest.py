@@ -18,7 +18,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from qserve.config import EngineConfig
 from qserve.engine.llm_engine import LLMEngine
 from qserve.server.api_server import Server, ServerConfig, build_app, make_uvicorn_server
-from tests.server.tiny_model import save_tiny_smollm
+from tests.server.tiny_model import MAX_POSITION_EMBEDDINGS, save_tiny_smollm
+
+__all__ = ["MAX_POSITION_EMBEDDINGS"]
 
 API_KEY = "test-key"
 MODEL_NAME = "tiny-smollm"

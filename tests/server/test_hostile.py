@@ -1,14 +1,24 @@
-"""Hostile clients against a real server on loopback: they cannot read each other's cache."""
+"""Hostile clients against a real server on loopback: they cannot read each other's cache, and
+every limit is a 4xx naming its parameter while a victim's stream keeps flowing."""
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 
+from qserve.server.limits import RequestLimits
 from tests.engine.test_kv_cache_manager import COLLIDING_BLOCKS
-from tests.server.conftest import RunningServer, running_server, tiny_engine
+from tests.server.conftest import (
+    MAX_POSITION_EMBEDDINGS,
+    RunningServer,
+    running_server,
+    tiny_engine,
+)
 
 SUFFIX = [300, 301, 302, 303]  # after the 16-token block, so the block is a cacheable prefix
 
@@ -65,3 +75,121 @@ def test_metrics_public_only_when_asked(open_server: RunningServer, tiny_model_d
     with running_server(tiny_engine(tiny_model_dir), api_key="k", metrics_public=True) as s:
         assert s.http.get("/metrics").status_code == 200
         assert s.http.get("/v1/models").status_code == 401
+
+
+# -- limits -----------------------------------------------------------------------------------
+
+LIMITS = RequestLimits(
+    max_body_bytes=2**20, max_prompts=8, max_seqs=16, max_stop_strings=4, max_stop_chars=64
+)
+
+
+@pytest.fixture(scope="module")
+def limited_server(tiny_model_dir: Path) -> Iterator[RunningServer]:
+    engine = tiny_engine(tiny_model_dir, max_num_seqs=8)
+    with running_server(engine, max_queue=24, limits=LIMITS) as running:
+        yield running
+
+
+class VictimStream:
+    """A client streaming completions one after another in a thread, timing its tokens."""
+
+    def __init__(self, server: RunningServer) -> None:
+        self.server, self.gaps, self.tokens = server, [0.0], 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        body = {"prompt": "Call me Ishmael.", "max_tokens": 400, "stream": True,
+                "ignore_eos": True}  # fmt: skip
+        with httpx.Client(base_url=self.server.base_url, timeout=30) as http:
+            while not self._stop.is_set():
+                last = None
+                with http.stream("POST", "/v1/completions", json=body) as response:
+                    for line in response.iter_lines():
+                        now = time.monotonic()
+                        if line.startswith("data: {"):
+                            self.tokens += 1
+                            self.gaps.append(0.0 if last is None else now - last)
+                            last = now
+                        if self._stop.is_set():
+                            break
+
+    def __enter__(self) -> VictimStream:
+        self._thread.start()
+        deadline = time.monotonic() + 10
+        while self.tokens < 5 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert self.tokens >= 5, "the victim's stream did not start"
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(30)
+
+
+def _error(response: httpx.Response, status: int, param: str | None) -> dict:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["param"] == param, error
+    return error
+
+
+def test_every_limit_is_a_4xx_and_the_victim_keeps_streaming(limited_server) -> None:
+    server = limited_server
+    post = server.http.post
+    text_bound = MAX_POSITION_EMBEDDINGS * server.server.engine.tokenizer.max_token_chars
+    with VictimStream(server) as victim:
+        big = b'{"prompt": "' + b"x" * (2**20) + b'"}'
+        _error(post("/v1/completions", content=big), 413, "body")
+        chunked = (big[i : i + 65536] for i in range(0, len(big), 65536))  # no content-length
+        _error(post("/v1/completions", content=chunked), 413, "body")
+        _error(post("/v1/completions", json={"prompt": ["a"] * 9}), 400, "prompt")
+        _error(post("/v1/completions", json={"prompt": ["a"] * 4, "n": 5}), 400, "n")
+        _error(post("/v1/completions", json={"prompt": "a", "stop": list("abcde")}), 400, "stop")
+        _error(post("/v1/completions", json={"prompt": "a", "stop": ["s" * 65]}), 400, "stop")
+        _error(post("/v1/completions", json={"prompt": "a " * text_bound}), 400, "prompt")
+        _error(post("/tokenize", json={"prompt": "a " * text_bound}), 400, "prompt")
+        ids = list(range(100, 100 + MAX_POSITION_EMBEDDINGS))
+        _error(post("/v1/completions", json={"prompt": ids}), 400, "prompt")
+        min_tokens = {"prompt": "a", "min_tokens": MAX_POSITION_EMBEDDINGS, "max_tokens": None}
+        _error(post("/v1/chat/completions", json={**min_tokens, "messages": [
+            {"role": "user", "content": "a"}]}), 400, "min_tokens")  # fmt: skip
+        # 8 running + 24 queued sequences: 25 more than fit at once can never fit: a 400
+        _error(post("/v1/completions", json={"prompt": ["a"] * 8, "n": 4}), 400, "n")
+        tokens = post("/tokenize", json={"prompt": "whale " * 6000}).json()["count"]
+        assert tokens >= 6000  # a long text, tokenized off the event loop and the engine thread
+    assert victim.tokens > 20 and max(victim.gaps) < 1.0, max(victim.gaps)
+
+
+def test_queue_counts_sequences_not_requests(limited_server) -> None:
+    """Two requests of 2 prompts x n=8 fill the 32 places (8 running, 24 queued): a third such
+    request gets 429 although only two HTTP requests are in flight."""
+    server = limited_server
+    body = {"prompt": ["a", "b"], "n": 8, "max_tokens": 500, "ignore_eos": True}
+    results: list[int] = []
+
+    def send() -> None:
+        with httpx.Client(base_url=server.base_url, timeout=60) as http:
+            results.append(http.post("/v1/completions", json=body).status_code)
+
+    senders = [threading.Thread(target=send) for _ in range(2)]
+    for sender in senders:
+        sender.start()
+    deadline = time.monotonic() + 10
+    while server.server.engine.num_seqs < 32 and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert server.server.engine.num_seqs == 32 and server.server.engine.num_requests == 4
+    full = server.http.post("/v1/completions", json=body)
+    assert full.status_code == 429 and full.json()["error"]["code"] == "queue_full"
+    for sender in senders:
+        sender.join(60)
+    assert results == [200, 200]
+    server.wait_all_blocks_free()
+
+
+def test_completions_default_to_16_tokens(limited_server) -> None:
+    for body in ({"prompt": "a", "ignore_eos": True}, {"prompt": "a", "ignore_eos": True,
+                                                        "max_tokens": None}):  # fmt: skip
+        usage = limited_server.http.post("/v1/completions", json=body).json()["usage"]
+        assert usage["completion_tokens"] == 16

@@ -268,16 +268,37 @@ def _http_error_type(status_code: int) -> str:
 # -- running -------------------------------------------------------------------------------------
 
 
+# Seconds between cutting the requests still in flight at the end of the drain window and
+# uvicorn cancelling what is left: time for each cut stream to send its error event and [DONE].
+CUT_GRACE_S = 2
+
+
 def make_uvicorn_server(app: FastAPI, config: ServerConfig) -> Any:
     import uvicorn
 
-    return uvicorn.Server(
+    class DrainingServer(uvicorn.Server):
+        """uvicorn, whose shutdown drains: requests in flight get `drain_timeout` seconds to
+        finish; those still running are then cut (a stream ends with an error event and
+        [DONE], a plain request gets a 503), never dropped mid-stream without a word."""
+
+        async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+            engine: AsyncLLMEngine = app.state.server.engine
+            engine.draining = True
+            message = f"the server shut down after a {config.drain_timeout:g} s drain"
+            loop = asyncio.get_running_loop()
+            cut = loop.call_later(config.drain_timeout, engine.cut_all, message)
+            try:
+                await super().shutdown(sockets)
+            finally:
+                cut.cancel()
+
+    return DrainingServer(
         uvicorn.Config(
             app,
             host=config.host,
             port=config.port,
             log_level=config.log_level,
-            timeout_graceful_shutdown=int(config.drain_timeout),
+            timeout_graceful_shutdown=int(config.drain_timeout) + CUT_GRACE_S,
             access_log=False,
         )
     )

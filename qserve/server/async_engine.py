@@ -134,6 +134,7 @@ class AsyncLLMEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._stopping = False
+        self.draining = False  # shutting down: no new requests
 
     # -- lifecycle (event loop) ----------------------------------------------------------------
 
@@ -198,6 +199,8 @@ class AsyncLLMEngine:
         cache_salt: str | None = None,
     ) -> RequestStream:
         """Tokenize and check the prompt, queue the request; QServeError for bad input."""
+        if self.draining:
+            raise EngineDeadError("the server is shutting down")
         self.check_room(params.n)
         stream = RequestStream(request_id, self, params.n)
         self._streams[request_id] = stream
@@ -222,6 +225,16 @@ class AsyncLLMEngine:
             return prompt
         check_text_length(prompt, self.engine.max_model_len, self.tokenizer.max_token_chars)
         return await self.tokenizer.encode(prompt, add_special_tokens)
+
+    def cut_all(self, message: str) -> None:
+        """End every request in flight now: each stream raises EngineDeadError(message) (a
+        streamed response then ends with an error event and [DONE]) and the engine frees their
+        blocks. New requests are refused from here on (`draining`)."""
+        self.draining = True
+        request_ids = list(self._streams)
+        self._fail_all(EngineDeadError(message))
+        for request_id in request_ids:
+            self._inbox.put(lambda engine, r=request_id: self._abort_now(engine, r))
 
     def abort(self, request_id: str) -> None:
         self._streams.pop(request_id, None)

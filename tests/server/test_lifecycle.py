@@ -109,3 +109,51 @@ def test_serve_drains_on_sigterm_and_exits_0(tiny_model_dir: Path) -> None:
             process.wait(10)
         stderr = process.stderr.read().decode() if process.stderr else ""
     assert "Traceback" not in stderr, stderr
+
+
+def _stream_lines(base_url: str, started: threading.Event, lines: list[str]) -> None:
+    body = {"prompt": "The whale", "max_tokens": 480, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", f"{base_url}/v1/completions", json=body, timeout=60) as response:
+        for line in response.iter_lines():
+            if line.startswith("data:"):
+                lines.append(line)
+                started.set()
+
+
+def test_sigterm_cuts_what_the_drain_window_cannot_finish(tiny_model_dir: Path) -> None:
+    """Streams still running after --drain-timeout end with an error event and [DONE]; a plain
+    request gets a JSON 503; the server exits 0 without a traceback."""
+    port = _free_port()
+    base_url = f"http://127.0.0.1:{port}"
+    command = [sys.executable, "-m", "qserve.cli", "serve", str(tiny_model_dir), "--port",
+               str(port), "--served-model-name", MODEL_NAME, "--dtype", "float32",
+               "--kv-cache-memory", "1MiB", "--threads", "1", "--drain-timeout", "0.2"]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env.pop("QSERVE_API_KEY", None)
+    process = subprocess.Popen(command, env=env, stderr=subprocess.PIPE)
+    try:
+        _wait_healthy(base_url, process)
+        streams = [(threading.Event(), []) for _ in range(3)]
+        threads = [threading.Thread(target=_stream_lines, args=(base_url, *s)) for s in streams]
+        plain: list[httpx.Response] = []
+        body = {"prompt": "x", "max_tokens": 480, "ignore_eos": True}
+        threads.append(threading.Thread(target=lambda: plain.append(
+            httpx.post(f"{base_url}/v1/completions", json=body, timeout=60))))  # fmt: skip
+        for thread in threads:
+            thread.start()
+        assert all(started.wait(30) for started, _ in streams)
+        process.send_signal(signal.SIGTERM)
+        for thread in threads:
+            thread.join(60)
+        assert process.wait(30) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(10)
+        stderr = process.stderr.read().decode() if process.stderr else ""
+    assert "Traceback" not in stderr, stderr
+    for _, lines in streams:
+        assert lines[-1] == "data: [DONE]"
+        assert '"error"' in lines[-2] and "shut down" in lines[-2]
+    (response,) = plain
+    assert response.status_code == 503 and "shut down" in response.json()["error"]["message"]

@@ -303,6 +303,14 @@ def _as_dict(out: Any) -> dict[str, Any]:
     "the rest of the context on chat (OpenAI's)]",
 )
 @click.option(
+    "--stream-timeout",
+    default=60.0,
+    show_default=True,
+    type=click.FloatRange(0, min_open=True),
+    help="Seconds a streaming client may read nothing before it is cut off and its request "
+    "aborted.",
+)
+@click.option(
     "--drain-timeout",
     default=30.0,
     show_default=True,
@@ -322,6 +330,7 @@ def serve(
     max_stop_strings: int,
     max_stop_chars: int,
     max_tokens_default: int | None,
+    stream_timeout: float,
     drain_timeout: float,
     **engine_kw: Any,
 ) -> None:
@@ -348,6 +357,7 @@ def serve(
         metrics_public=metrics_public,
         max_queue=max_queue,
         drain_timeout=drain_timeout,
+        stream_timeout=stream_timeout,
         limits=RequestLimits(
             max_body_bytes=parse_memory(max_request_body),
             max_prompts=max_prompts_per_request,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from qserve.engine.sampler import Logprobs
 
@@ -39,3 +39,21 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics
+
+
+def coalesce(older: RequestOutput, newer: RequestOutput) -> RequestOutput:
+    """One output that says what `older` then `newer` said: the newer one, with the older one's
+    deltas in front of its own. A reader that fell behind gets this instead of a backlog, so a
+    stream buffers at most one output however slowly its client reads."""
+    deltas = {c.index: c for c in older.outputs}
+    outputs = []
+    for c in newer.outputs:
+        before = deltas.get(c.index)
+        if before is not None:
+            c = replace(
+                c,
+                delta_text=before.delta_text + c.delta_text,
+                delta_token_ids=before.delta_token_ids + c.delta_token_ids,
+            )
+        outputs.append(c)
+    return replace(newer, outputs=outputs)

@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ValidationError
 from sse_starlette import EventSourceResponse
+from sse_starlette.sse import SendTimeoutError
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
@@ -62,6 +63,8 @@ class ServerConfig:
     max_queue: int = 1024  # sequences admitted beyond max_num_seqs; more get 429
     drain_timeout: float = 30.0  # seconds a shutdown waits for requests in flight
     ping_interval: float = 15.0  # seconds between SSE keep-alive comments
+    # a client that takes nothing of its stream for this long is cut off, its request aborted
+    stream_timeout: float = 60.0
     log_interval: float = 10.0  # seconds between throughput / queue / KV cache log lines
     log_level: str = "info"
     limits: RequestLimits = field(default_factory=RequestLimits)
@@ -132,13 +135,13 @@ def _add_routes(app: FastAPI, server: Server) -> None:
     async def completions(request: Request) -> Response:
         body = await parse_body(request, CompletionRequest, server.config.limits)
         result = await until_disconnected(request, server.completion.create(body))
-        return _respond(result, server.config.ping_interval)
+        return _respond(result, server.config)
 
     @app.post("/v1/chat/completions", dependencies=auth)
     async def chat_completions(request: Request) -> Response:
         body = await parse_body(request, ChatCompletionRequest, server.config.limits)
         result = await until_disconnected(request, server.chat.create(body))
-        return _respond(result, server.config.ping_interval)
+        return _respond(result, server.config)
 
     @app.post("/tokenize", dependencies=auth)
     async def tokenize(request: Request) -> dict[str, Any]:
@@ -180,15 +183,37 @@ async def _tokenize(server: Server, body: TokenizeRequest) -> dict[str, Any]:
     return {"tokens": tokens, "count": len(tokens), "max_model_len": max_model_len}
 
 
-def _respond(result: dict[str, Any] | SSEStream, ping_interval: float) -> Response:
+def _respond(result: dict[str, Any] | SSEStream, config: ServerConfig) -> Response:
     if isinstance(result, dict):
         return JSONResponse(result)
-    return EventSourceResponse(
+    return _EventSourceResponse(
         result.payloads,
         sep="\n",
-        ping=ping_interval,
+        ping=config.ping_interval,
+        send_timeout=config.stream_timeout,
         background=BackgroundTask(close_all, result.streams),
+        on_send_timeout=lambda: close_all(result.streams),
     )
+
+
+class _EventSourceResponse(EventSourceResponse):
+    """An SSE response whose client stopped reading for `send_timeout` seconds ends quietly:
+    its requests are aborted (their blocks freed) and the connection closes."""
+
+    def __init__(self, *args: Any, on_send_timeout: Callable[[], None], **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self._on_send_timeout = on_send_timeout
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        except SendTimeoutError:
+            self._on_send_timeout()
+            logger.warning(
+                "a client read nothing of its stream for %g s: its request was aborted and the "
+                "connection closed",
+                self.send_timeout,
+            )
 
 
 async def parse_body(request: Request, model: type[M], limits: RequestLimits) -> M:

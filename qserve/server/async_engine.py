@@ -21,12 +21,13 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from qserve.engine.llm_engine import LLMEngine
-from qserve.engine.outputs import RequestOutput
+from qserve.engine.outputs import RequestOutput, coalesce
 from qserve.engine.sampling_params import SamplingParams
 from qserve.errors import QServeError
 from qserve.server.limits import check_text_length
@@ -89,21 +90,39 @@ class StepObserver:
 
 
 class RequestStream:
-    """The outputs of one request, in order; iterating ends after the finished output."""
+    """The outputs of one request, in order; iterating ends after the finished output.
+
+    Outputs the reader has not taken yet are coalesced into one (`coalesce`): a client that
+    reads slowly gets its text in larger pieces, and the server holds one output for it, not a
+    backlog that grows with every step."""
 
     def __init__(self, request_id: str, engine: AsyncLLMEngine, num_seqs: int = 1) -> None:
         self.request_id = request_id
         self.num_seqs = num_seqs  # the request's n: the sequences it holds in the engine
         self.finished = False
-        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._pending: deque[RequestOutput | BaseException] = deque()
+        self._ready = asyncio.Event()
         self._engine = engine
 
     def put(self, item: RequestOutput | BaseException) -> None:
-        self._queue.put_nowait(item)
+        last = self._pending[-1] if self._pending else None
+        if isinstance(item, RequestOutput) and isinstance(last, RequestOutput):
+            self._pending[-1] = coalesce(last, item)
+        else:
+            self._pending.append(item)
+        self._ready.set()
+
+    @property
+    def num_pending(self) -> int:
+        return len(self._pending)
 
     async def __aiter__(self) -> AsyncIterator[RequestOutput]:
         while not self.finished:
-            item = await self._queue.get()
+            if not self._pending:
+                self._ready.clear()
+                await self._ready.wait()
+                continue
+            item = self._pending.popleft()
             if isinstance(item, BaseException):
                 self.finished = True
                 raise item

@@ -118,16 +118,20 @@ async def _last(stream: RequestStream) -> RequestOutput:
 
 
 async def merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """(prompt index, output) from all streams as they come; closes them all when done."""
-    queue: asyncio.Queue[tuple[int, RequestOutput | Exception | None]] = asyncio.Queue()
+    """(prompt index, output) from all streams as they come; closes them all when done. The
+    hand-over queue is bounded, so a slow consumer leaves outputs in their streams, which
+    coalesce them, rather than piling them up here."""
+    queue: asyncio.Queue[tuple[int, RequestOutput | Exception | None]] = asyncio.Queue(
+        maxsize=len(streams)
+    )
 
     async def pump(i: int, stream: RequestStream) -> None:
         try:
             async for output in stream:
-                queue.put_nowait((i, output))
+                await queue.put((i, output))
         except Exception as exc:  # re-raised by the consumer below
-            queue.put_nowait((i, exc))
-        queue.put_nowait((i, None))
+            await queue.put((i, exc))
+        await queue.put((i, None))
 
     tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
     remaining = len(streams)

@@ -3,6 +3,9 @@ every limit is a 4xx naming its parameter while a victim's stream keeps flowing.
 
 from __future__ import annotations
 
+import json
+import logging
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -193,3 +196,69 @@ def test_completions_default_to_16_tokens(limited_server) -> None:
                                                         "max_tokens": None}):  # fmt: skip
         usage = limited_server.http.post("/v1/completions", json=body).json()["usage"]
         assert usage["completion_tokens"] == 16
+
+
+# -- slow readers -------------------------------------------------------------------------------
+
+
+def _open_unread_stream(server: RunningServer, body: dict) -> socket.socket:
+    """A client that sends a streaming request and then reads nothing (a tiny receive
+    buffer, so the server's sends soon block)."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    host, port = server.base_url.removeprefix("http://").split(":")
+    sock.connect((host, int(port)))
+    payload = json.dumps(body).encode()
+    sock.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        + f"Content-Length: {len(payload)}\r\n\r\n".encode()
+        + payload
+    )
+    return sock
+
+
+def _read_to_end(sock: socket.socket, timeout: float) -> bytes:
+    sock.settimeout(timeout)
+    chunks = []
+    while chunk := sock.recv(1 << 16):
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def test_slow_readers_are_cut_off_and_hold_one_output_each(tiny_model_dir: Path) -> None:
+    """Two clients stop reading their streams: each holds one coalesced output in the server
+    (not one per step), and after --stream-timeout the server closes the connection before
+    [DONE]; every block is back in the pool."""
+    engine = tiny_engine(tiny_model_dir, max_num_seqs=64)
+    with running_server(engine, stream_timeout=1.0) as server:
+        # ~10 MB of chunks each, more than the sockets' buffers hold
+        body = {"prompt": "Call me Ishmael.", "max_tokens": 480, "n": 32, "logprobs": 20,
+                "ignore_eos": True, "stream": True}  # fmt: skip
+        readers = [_open_unread_stream(server, body) for _ in range(2)]
+        try:
+            most_pending, deadline = 0, time.monotonic() + 5
+            while time.monotonic() < deadline:
+                streams = list(server.server.engine._streams.values())
+                most_pending = max([most_pending, *(s.num_pending for s in streams)])
+                time.sleep(0.01)
+            metrics = server.wait_all_blocks_free()
+            received = [_read_to_end(sock, timeout=10) for sock in readers]
+        finally:
+            for sock in readers:
+                sock.close()
+    assert most_pending <= 1
+    assert metrics["qserve:kv_cache_free_blocks"] == metrics["qserve:kv_cache_num_blocks"]
+    for data in received:  # closed by the server (recv gave b""), the stream cut short
+        assert data.startswith(b"HTTP/1.1 200") and b"data: [DONE]" not in data
+
+
+def test_client_gone_while_sending_its_body_is_quiet(open_server: RunningServer, caplog) -> None:
+    with caplog.at_level(logging.WARNING):
+        for _ in range(3):
+            host, port = open_server.base_url.removeprefix("http://").split(":")
+            sock = socket.create_connection((host, int(port)))
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 99\r\n\r\n{")
+            sock.close()
+        time.sleep(0.5)
+        assert open_server.http.get("/health").status_code == 200
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text

@@ -39,6 +39,9 @@ class SampleState:
     detokenizer: IncrementalDetokenizer
     logprobs: list[Logprobs] | None
     num_sent_tokens: int = 0
+    # the last output, with empty deltas: what a step that did not advance this sample reports
+    # (with n = 128 most samples of a request wait while others run)
+    unchanged: CompletionOutput | None = None
 
 
 @dataclass
@@ -49,6 +52,8 @@ class RequestState:
     samples: list[SampleState]
     metrics: RequestMetrics
     finished_samples: set[int] = field(default_factory=set)
+    # each sample's last output with empty deltas; a step rebuilds only the samples it advanced
+    idle_outputs: list[CompletionOutput] | None = None
 
     @property
     def finished(self) -> bool:
@@ -163,16 +168,19 @@ class LLMEngine:
         params: SamplingParams,
         arrival_time: float | None = None,
         cache_salt: str | None = None,
+        group: str | None = None,
     ) -> None:
         """Queue `params.n` samples of `prompt`. Requests share prefix-cache blocks only with
-        requests of the same `cache_salt` (None: with every unsalted request)."""
+        requests of the same `cache_salt` (None: with every unsalted request). `group` names
+        the client request this one is part of (default: itself), between which the scheduler
+        shares the running slots fairly."""
         if request_id in self.requests:
             raise QServeError(f"request id {request_id!r} is already in use", param="request_id")
         prompt_ids = self.tokenize(prompt)
         self._check_prompt(prompt_ids)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         samples = [
-            self._new_sample(request_id, i, prompt_ids, params, arrival, cache_salt)
+            self._new_sample(request_id, i, prompt_ids, params, arrival, cache_salt, group)
             for i in range(params.n)
         ]
         state = RequestState(
@@ -208,6 +216,7 @@ class LLMEngine:
         params: SamplingParams,
         arrival: float,
         cache_salt: str | None,
+        group: str | None,
     ) -> SampleState:
         child_params = params.child_params(index) if params.n > 1 else params
         child_id = request_id if params.n == 1 else f"{index}_{request_id}"
@@ -220,6 +229,7 @@ class LLMEngine:
             make_generator(child_params, self.config.device),
             arrival,
             cache_salt,
+            request_id if group is None else group,
         )
         detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_ids, child_params)
         logprobs = [] if child_params.logprobs is not None else None
@@ -255,19 +265,19 @@ class LLMEngine:
         self, updated: list[Request], sampled: dict[str, SampledToken]
     ) -> list[RequestOutput]:
         now = time.monotonic()
-        touched: dict[str, RequestState] = {}
+        touched: dict[str, tuple[RequestState, list[SampleState]]] = {}
         for request in updated:
             state, sample = self._samples[request.request_id]
             self._update_sample(state, sample, sampled[request.request_id])
-            touched[state.request_id] = state
+            touched.setdefault(state.request_id, (state, []))[1].append(sample)
         outputs = []
-        for state in touched.values():
+        for state, advanced in touched.values():
             state.metrics.first_token_time = state.metrics.first_token_time or now
             state.metrics.last_token_time = now
             if state.finished:
                 state.metrics.finished_time = now
                 self._forget(state)
-            outputs.append(self._make_output(state))
+            outputs.append(self._make_output(state, advanced))
         return outputs
 
     def _update_sample(self, state: RequestState, sample: SampleState, token: SampledToken) -> None:
@@ -287,12 +297,24 @@ class LLMEngine:
         for sample in state.samples:
             self._samples.pop(sample.request.request_id, None)
 
-    def _make_output(self, state: RequestState) -> RequestOutput:
+    def _make_output(
+        self, state: RequestState, advanced: list[SampleState] | None = None
+    ) -> RequestOutput:
+        """The request's output: rebuilt for the `advanced` samples (all when None), the others
+        as they were with empty deltas (with n = 128, most samples wait while a few run)."""
+        if state.idle_outputs is None or advanced is None:
+            outputs = [self._completion(s) for s in state.samples]
+            state.idle_outputs = [s.unchanged or o for s, o in zip(state.samples, outputs)]
+        else:
+            outputs = list(state.idle_outputs)
+            for sample in advanced:
+                outputs[sample.index] = self._completion(sample)
+                state.idle_outputs[sample.index] = sample.unchanged or outputs[sample.index]
         return RequestOutput(
             request_id=state.request_id,
             prompt=state.prompt,
             prompt_token_ids=state.prompt_token_ids,
-            outputs=[self._completion(s) for s in state.samples],
+            outputs=outputs,
             finished=state.finished,
             metrics=replace(state.metrics),  # a snapshot: the engine keeps updating its own
         )
@@ -301,10 +323,14 @@ class LLMEngine:
     def _completion(sample: SampleState) -> CompletionOutput:
         request, detok = sample.request, sample.detokenizer
         finished = request.is_finished
+        last = sample.unchanged
+        if last is not None and last.finished == finished:
+            if request.num_output_tokens == sample.num_sent_tokens:
+                return last
         token_ids = list(request.output_token_ids)
         delta_ids = token_ids[sample.num_sent_tokens :]
         sample.num_sent_tokens = len(token_ids)
-        return CompletionOutput(
+        output = CompletionOutput(
             index=sample.index,
             text=detok.get_next_output_text(finished, delta=False),
             token_ids=token_ids,
@@ -314,6 +340,8 @@ class LLMEngine:
             finish_reason=request.get_finished_reason(),
             stop_reason=request.stop_reason,
         )
+        sample.unchanged = replace(output, delta_text="", delta_token_ids=[])
+        return output
 
     # -- stats ---------------------------------------------------------------------------------
 

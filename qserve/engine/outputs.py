@@ -49,7 +49,7 @@ def coalesce(older: RequestOutput, newer: RequestOutput) -> RequestOutput:
     outputs = []
     for c in newer.outputs:
         before = deltas.get(c.index)
-        if before is not None:
+        if before is not None and (before.delta_text or before.delta_token_ids):
             c = replace(
                 c,
                 delta_text=before.delta_text + c.delta_text,

@@ -52,9 +52,13 @@ class Request:
         generator: torch.Generator | None = None,
         arrival_time: float | None = None,
         cache_salt: str | None = None,
+        group: str | None = None,
     ) -> None:
         self.request_id = request_id
         self.cache_salt = cache_salt
+        # the client request this sequence belongs to (its n samples, a batch of prompts):
+        # the scheduler admits waiting sequences fairly between groups
+        self.group = request_id if group is None else group
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
         self.eos_token_ids = list(eos_token_ids or [])

@@ -1,7 +1,8 @@
 """Continuous batching: each step decides {request: number of new tokens}. Pure Python, no torch.
 
 Running requests are served first (decodes and unfinished prompt chunks), then waiting ones are
-admitted while the token budget, `max_num_seqs` and the KV cache allow. When a running request
+admitted while the token budget, `max_num_seqs` and the KV cache allow, fairly between the
+client requests they came from (`WaitingQueue`). When a running request
 cannot get a block, the newest running request is preempted: its blocks are freed and it goes
 back to the head of the waiting queue, to be recomputed later (from the prefix cache when its
 blocks survived). Nothing is lost and the output does not change.
@@ -9,12 +10,13 @@ blocks survived). Nothing is lost and the output does not change.
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from qserve.engine.kv_cache_manager import KVCacheManager
 from qserve.engine.request import Request, RequestStatus
+from qserve.engine.waiting_queue import WaitingQueue
 
 
 @dataclass(frozen=True)
@@ -60,7 +62,7 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
         self.config = config
         self.kv_cache_manager = kv_cache_manager
-        self.waiting: deque[Request] = deque()
+        self.waiting = WaitingQueue()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
@@ -113,13 +115,16 @@ class Scheduler:
         self.waiting.appendleft(request)
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        running_per_group = Counter(r.group for r in self.running)
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            request = self.waiting[0]
+            request = self.waiting.peek(running_per_group)
+            assert request is not None
             hits, num_computed = self.kv_cache_manager.get_computed_blocks(request)
             num_new = min(request.num_tokens - num_computed, budget)
             if self.kv_cache_manager.allocate_slots(request, num_new, hits) is None:
                 break
-            self.waiting.popleft()
+            self.waiting.remove(request)
+            running_per_group[request.group] += 1
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_computed
             self.running.append(request)

@@ -216,6 +216,7 @@ class AsyncLLMEngine:
         params: SamplingParams,
         add_special_tokens: bool = True,
         cache_salt: str | None = None,
+        group: str | None = None,
     ) -> RequestStream:
         """Tokenize and check the prompt, queue the request; QServeError for bad input."""
         if self.draining:
@@ -229,7 +230,7 @@ class AsyncLLMEngine:
             check_context_length(len(prompt_ids), params, self.engine.max_model_len)
             await self.call(
                 lambda engine: engine.add_request(
-                    request_id, prompt_ids, params, arrival_time=arrival, cache_salt=cache_salt
+                    request_id, prompt_ids, params, arrival, cache_salt, group
                 )
             )
         except BaseException:

@@ -66,7 +66,7 @@ class OpenAIServing:
                 sub_id = request_id if len(prompts) == 1 else f"{request_id}-{i}"
                 streams.append(
                     await self.engine.add_request(
-                        sub_id, prompt, params, add_special_tokens, cache_salt
+                        sub_id, prompt, params, add_special_tokens, cache_salt, group=request_id
                     )
                 )
         except BaseException:

@@ -1,3 +1,5 @@
+from collections import Counter
+
 from qserve.engine.kv_cache_manager import KVCacheManager
 from qserve.engine.request import Request, RequestStatus
 from qserve.engine.sampling_params import SamplingParams
@@ -112,3 +114,36 @@ def test_abort_frees_blocks():
     s.finish_requests(["a", "b"], RequestStatus.FINISHED_ABORTED)
     assert not s.has_unfinished_requests()
     assert s.kv_cache_manager.block_pool.get_num_free_blocks() == 100
+
+
+def test_waiting_sequences_are_admitted_fairly_between_groups():
+    """Eight sequences of one client request ("big"), then a one-sequence request: the small
+    one is admitted in the first step, not after the big one's sequences (first come, first
+    served would have run big/0..3 first)."""
+    s = make_scheduler(max_num_seqs=4)
+    for i in range(8):
+        request = make_request(f"big/{i}", 4)
+        request.group = "big"
+        s.add_request(request)
+    s.add_request(make_request("small", 4, max_tokens=1))
+    assert sorted(step(s)) == ["big/0", "big/1", "big/2", "small"]
+    assert s.requests.get("small") is None  # finished after its one token
+    assert sorted(step(s)) == ["big/0", "big/1", "big/2", "big/3"]
+
+
+def test_preempted_requests_come_back_before_any_group():
+    from qserve.engine.waiting_queue import WaitingQueue
+
+    queue = WaitingQueue()
+    a, b, c = make_request("a", 2), make_request("b", 2), make_request("c", 2)
+    queue.append(a)
+    queue.append(b)
+    queue.appendleft(c)
+    assert list(queue) == [c, a, b] and len(queue) == 3
+    running = Counter({"c": 1})
+    assert queue.peek(running) is c
+    queue.remove(c)
+    assert queue.peek(Counter({"a": 2})) is b
+    queue.remove(b)
+    queue.remove(a)
+    assert not queue and queue.peek(Counter()) is None

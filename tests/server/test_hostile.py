@@ -262,3 +262,42 @@ def test_client_gone_while_sending_its_body_is_quiet(open_server: RunningServer,
         time.sleep(0.5)
         assert open_server.http.get("/health").status_code == 200
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
+
+
+# -- fairness -----------------------------------------------------------------------------------
+
+
+def test_one_token_request_is_not_starved_by_wide_requests(tiny_model_dir: Path) -> None:
+    """20 requests of n=128 queue 2560 sequences for 32 running slots; a one-token request sent
+    after them is admitted at the next free slot, not after all of them."""
+    engine = tiny_engine(tiny_model_dir, max_num_seqs=32, kv_cache_memory="4MiB")
+    with running_server(engine, max_queue=4096) as server:
+        done = threading.Event()
+
+        def wide() -> None:
+            body = {"prompt": "Call me Ishmael.", "n": 128, "max_tokens": 64, "stream": True,
+                    "ignore_eos": True}  # fmt: skip
+            with httpx.Client(base_url=server.base_url, timeout=60) as http:
+                with http.stream("POST", "/v1/completions", json=body) as response:
+                    for _ in response.iter_lines():
+                        if done.is_set():
+                            break
+
+        senders = [threading.Thread(target=wide) for _ in range(20)]
+        for sender in senders:
+            sender.start()
+        deadline = time.monotonic() + 30
+        while server.server.engine.num_seqs < 20 * 128 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert server.server.engine.num_seqs == 20 * 128
+        start = time.monotonic()
+        small = server.http.post("/v1/completions", json={"prompt": "a", "max_tokens": 1})
+        latency = time.monotonic() - start
+        in_flight = server.server.engine.num_seqs
+        done.set()
+        for sender in senders:
+            sender.join(60)
+        server.wait_all_blocks_free()
+    assert small.status_code == 200 and small.json()["usage"]["completion_tokens"] == 1
+    assert in_flight > 20 * 128 - 4 * 32, "the wide requests should still be mostly waiting"
+    assert latency < 3.0, latency

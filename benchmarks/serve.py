@@ -4,6 +4,7 @@
         [--num-requests 200] [--request-rate inf --request-rate 8 ...] [--max-concurrency 32]
         [--min-prompt-len 32 --max-prompt-len 512 --min-output-len 16 --max-output-len 256]
         [--quick] [--server-arg=--dtype=float32 ...] [--output benchmarks/results/serve.json]
+        [--hostile 5]
 
 Without --base-url it starts `qserve serve MODEL` on a free loopback port (its own process, so
 client and server do not share a GIL) and stops it at the end. The workload is the throughput
@@ -15,6 +16,11 @@ Per request: TTFT (send to first token), ITL (gaps between streamed chunks), TPO
 TTFT) / (output tokens - 1)), end-to-end latency. Per run: request throughput, output and total
 tok/s, mean / median / p99 of each latency, errors, and whether every KV block went back to the
 free pool (from /metrics). Prints a table per rate and writes JSON.
+
+With --hostile N, each rate runs a second time with N hostile clients hammering the server
+(benchmarks/hostile.py: wide n=128 requests, huge bodies, big /tokenize texts, thousands of stop
+strings, streams nobody reads), and a table puts the normal requests' TTFT and ITL of both runs
+side by side.
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ import httpx
 if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.hostile import hostile_clients  # noqa: E402
 from benchmarks.workload import QUICK, BenchRequest, WorkloadConfig, make_workload  # noqa: E402
 
 DEFAULT_OUTPUT = Path(__file__).resolve().parent / "results" / "serve.json"
@@ -284,6 +291,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="8 short requests: a smoke run")
     p.add_argument("--output", type=Path, default=DEFAULT_OUTPUT)
+    p.add_argument("--hostile", type=int, default=0, help="hostile clients in a second run")
     return p.parse_args(argv)
 
 
@@ -308,22 +316,52 @@ def load_tokenizer(model: str) -> Any:
 
 
 def run(args: argparse.Namespace, base_url: str, requests: list[BenchRequest]) -> list[dict]:
-    """Warm up, then one run per request rate; each run's summary with its KV leak check."""
+    """Warm up, then one run per request rate (and with --hostile, one more beside hostile
+    clients); each run's summary with its KV leak check."""
     asyncio.run(run_rate(base_url, args.served_model_name, requests[:2], math.inf, 2, args.seed))
     runs = []
     for rate in args.request_rate or [math.inf]:
-        results, seconds = asyncio.run(
-            run_rate(
+        for hostile in sorted({0, args.hostile}):
+            summary = _one_run(args, base_url, requests, rate, hostile)
+            print(format_table(rate, args.max_concurrency, summary), flush=True)
+            runs.append(summary)
+        if args.hostile:
+            print(format_hostile(runs[-2], runs[-1]), flush=True)
+    return runs
+
+
+def _one_run(
+    args: argparse.Namespace, base_url: str, requests: list[BenchRequest], rate: float, hostile: int
+) -> dict[str, Any]:
+    async def measured() -> tuple[list[RequestResult], float, dict]:
+        async with hostile_clients(base_url, args.served_model_name, hostile) as report:
+            results, seconds = await run_rate(
                 base_url, args.served_model_name, requests, rate, args.max_concurrency, args.seed
             )
-        )
-        summary = summarize(results, seconds)
-        free, total = kv_blocks(base_url)
-        summary.update(request_rate=rate, max_concurrency=args.max_concurrency,
-                       leaked_blocks=int(total - free))  # fmt: skip
-        print(format_table(rate, args.max_concurrency, summary), flush=True)
-        runs.append(summary)
-    return runs
+        return results, seconds, report
+
+    results, seconds, report = asyncio.run(measured())
+    summary = summarize(results, seconds)
+    free, total = kv_blocks(base_url)
+    summary.update(request_rate=rate, max_concurrency=args.max_concurrency, hostile_clients=hostile,
+                   hostile=report, leaked_blocks=int(total - free))  # fmt: skip
+    return summary
+
+
+def format_hostile(plain: dict[str, Any], hostile: dict[str, Any]) -> str:
+    """The normal requests' latencies without and with the hostile clients, side by side."""
+    keys = [("completed", "{:.0f}"), ("failed", "{:.0f}"), ("output_throughput", "{:.1f}"),
+            ("median_ttft_ms", "{:.0f}"), ("p99_ttft_ms", "{:.0f}"), ("median_itl_ms", "{:.1f}"),
+            ("p99_itl_ms", "{:.1f}")]  # fmt: skip
+    n = hostile["hostile_clients"]
+    lines = [f"{'normal requests':<24}{'alone':>14}{f'+{n} hostile':>14}{'ratio':>9}"]
+    for key, fmt in keys:
+        a, b = plain[key], hostile[key]
+        ratio = f"{b / a:.2f}x" if a else ""
+        lines.append(f"{key:<24}{fmt.format(a):>14}{fmt.format(b):>14}{ratio:>9}")
+    for kind, entry in hostile["hostile"].items():
+        lines.append(f"  hostile {kind}: {entry['done']} done, statuses {entry['statuses']}")
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -7,7 +7,7 @@
 They run in a process of their own, so that building and sending their bodies does not slow the
 measured clients' event loop (which would show up as server latency).
 
-The kinds (client i runs KINDS[i % len(KINDS)]):
+The kinds (client i runs kinds[i % len(kinds)], all of KINDS unless given):
     wide          one request of n=128 x 64 tokens (fair admission keeps it from starving others)
     huge_body     a body just under the default 8 MiB limit whose text prompt cannot fit the
                   context (refused before tokenizing) and one over it (413)
@@ -85,8 +85,10 @@ async def _loop(base_url: str, model: str, kind: str, tally: Counter[str]) -> No
             tally["done"] += 1
 
 
-async def _attack_until(ready: Any, stop: Any, base_url: str, model: str, count: int) -> Report:
-    kinds = [KINDS[i % len(KINDS)] for i in range(count)]
+async def _attack_until(
+    ready: Any, stop: Any, base_url: str, model: str, count: int, kinds: tuple[str, ...]
+) -> Report:
+    kinds = tuple(kinds[i % len(kinds)] for i in range(count))
     tallies = [Counter() for _ in kinds]
     tasks = [asyncio.ensure_future(_loop(base_url, model, k, t)) for k, t in zip(kinds, tallies)]
     await asyncio.sleep(WARMUP_S)  # every attack under way before the measured run starts
@@ -103,16 +105,19 @@ async def _attack_until(ready: Any, stop: Any, base_url: str, model: str, count:
     return report
 
 
-def _attack_process(
-    ready: Any, stop: Any, results: Any, base_url: str, model: str, count: int
-) -> None:
-    results.put(asyncio.run(_attack_until(ready, stop, base_url, model, count)))
+def _attack_process(ready: Any, stop: Any, results: Any, *args: Any) -> None:
+    results.put(asyncio.run(_attack_until(ready, stop, *args)))
 
 
 @contextlib.asynccontextmanager
-async def hostile_clients(base_url: str, model: str, count: int) -> AsyncIterator[Report]:
+async def hostile_clients(
+    base_url: str, model: str, count: int, kinds: tuple[str, ...] = KINDS
+) -> AsyncIterator[Report]:
     """`count` hostile clients (in another process) hammering the server while the block runs;
     the report fills in when the block ends."""
+    unknown = set(kinds) - set(KINDS)
+    if unknown or not kinds:
+        raise ValueError(f"hostile kinds must be some of {', '.join(KINDS)}, got {kinds}")
     report: Report = {}
     if count == 0:
         yield report
@@ -120,7 +125,9 @@ async def hostile_clients(base_url: str, model: str, count: int) -> AsyncIterato
     context = multiprocessing.get_context("spawn")
     ready, stop, results = context.Event(), context.Event(), context.Queue()
     process = context.Process(
-        target=_attack_process, args=(ready, stop, results, base_url, model, count), daemon=True
+        target=_attack_process,
+        args=(ready, stop, results, base_url, model, count, kinds),
+        daemon=True,
     )
     process.start()
     await asyncio.to_thread(ready.wait, 120)

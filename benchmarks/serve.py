@@ -4,7 +4,7 @@
         [--num-requests 200] [--request-rate inf --request-rate 8 ...] [--max-concurrency 32]
         [--min-prompt-len 32 --max-prompt-len 512 --min-output-len 16 --max-output-len 256]
         [--quick] [--server-arg=--dtype=float32 ...] [--output benchmarks/results/serve.json]
-        [--hostile 5]
+        [--hostile 5 [--hostile-kinds wide,huge_body,tokenize,stop_strings,slow_reader]]
 
 Without --base-url it starts `qserve serve MODEL` on a free loopback port (its own process, so
 client and server do not share a GIL) and stops it at the end. The workload is the throughput
@@ -45,7 +45,7 @@ import httpx
 if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.hostile import hostile_clients  # noqa: E402
+from benchmarks.hostile import KINDS, hostile_clients  # noqa: E402
 from benchmarks.workload import QUICK, BenchRequest, WorkloadConfig, make_workload  # noqa: E402
 
 DEFAULT_OUTPUT = Path(__file__).resolve().parent / "results" / "serve.json"
@@ -292,6 +292,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="8 short requests: a smoke run")
     p.add_argument("--output", type=Path, default=DEFAULT_OUTPUT)
     p.add_argument("--hostile", type=int, default=0, help="hostile clients in a second run")
+    p.add_argument("--hostile-kinds", default=",".join(KINDS), help="what they try (all)")
     return p.parse_args(argv)
 
 
@@ -334,7 +335,8 @@ def _one_run(
     args: argparse.Namespace, base_url: str, requests: list[BenchRequest], rate: float, hostile: int
 ) -> dict[str, Any]:
     async def measured() -> tuple[list[RequestResult], float, dict]:
-        async with hostile_clients(base_url, args.served_model_name, hostile) as report:
+        kinds = tuple(args.hostile_kinds.split(","))
+        async with hostile_clients(base_url, args.served_model_name, hostile, kinds) as report:
             results, seconds = await run_rate(
                 base_url, args.served_model_name, requests, rate, args.max_concurrency, args.seed
             )

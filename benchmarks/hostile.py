@@ -43,7 +43,9 @@ async def _huge_body(client: httpx.AsyncClient, model: str) -> list[int]:
     statuses = []
     for size in (8 * MIB - 4096, 8 * MIB + 4096):
         content = b'{"model": "%s", "prompt": "' % model.encode() + b"a " * (size // 2) + b'"}'
-        statuses.append((await client.post("/v1/completions", content=content)).status_code)
+        headers = {"Content-Type": "application/json"}
+        response = await client.post("/v1/completions", content=content, headers=headers)
+        statuses.append(response.status_code)
     return statuses
 
 

@@ -253,6 +253,12 @@ def _as_dict(out: Any) -> dict[str, Any]:
     is_flag=True,
     help="Serve /metrics without the API key (it shows prefix-cache hits of every client).",
 )
+@click.option(
+    "--allowed-hosts",
+    multiple=True,
+    help="Host header names answered (repeatable; * for any). [default: loopback names when "
+    "bound to loopback (DNS-rebinding guard), else any]",
+)
 @click.option("--served-model-name", default=None, help="Model id clients send; default: MODEL.")
 @click.option(
     "--max-queue",
@@ -322,6 +328,7 @@ def serve(
     port: int,
     api_key: str | None,
     metrics_public: bool,
+    allowed_hosts: tuple[str, ...],
     served_model_name: str | None,
     max_queue: int,
     max_request_body: str,
@@ -355,6 +362,7 @@ def serve(
         port=port,
         api_key=api_key or None,
         metrics_public=metrics_public,
+        allowed_hosts=allowed_hosts or None,
         max_queue=max_queue,
         drain_timeout=drain_timeout,
         stream_timeout=stream_timeout,

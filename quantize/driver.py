@@ -50,6 +50,7 @@ from torch import Tensor, nn
 
 from qserve.errors import QServeError
 from qserve.quantize import export, offload
+from qserve.quantize import output_dir as output_dir_rules
 from qserve.quantize.arch import ArchSpec, ScaleMapping, arch_spec
 from qserve.quantize.awq import rescale_stats, search_clip, search_scale
 from qserve.quantize.calibration import calibration_windows, load_calibration_text
@@ -315,7 +316,7 @@ def quantize_model(
         settings = dataclasses.replace(settings, group_size=auto_group_size(config, spec, settings))
     if output_dir is None:
         output_dir = default_output_dir(model_name or Path(model_path).name, settings)
-    export.check_output_dir(output_dir, overwrite)
+    output_dir_rules.check_output_dir(output_dir, overwrite, model_path)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     loaded = _calibration_model(model_path, spec, offload_dir, output_dir, settings, out_dtype)
     with loaded as (model, blocks):
@@ -339,7 +340,7 @@ def quantize_model(
         if searched and scales_path is not None and not replay:
             scales.save(scales_path)
 
-        with export.staging_dir(output_dir, overwrite) as tmp:
+        with output_dir_rules.staging_dir(output_dir, overwrite, model_path) as tmp:
             _write(tmp, model, tokenizer, spec, results, settings, out_dtype, blocks)
             if searched:  # replayable with --scales; a subfolder, so no loader takes it for weights
                 (tmp / SEARCH_FILE).parent.mkdir()

@@ -20,22 +20,18 @@ i.e. fp8_e4m3). qserve reads these scales in every format; vLLM loads them for c
 give its attention layers no KV scales.
 
 Biases and every other tensor keep their names. A checkpoint is written into a temporary folder
-next to the destination and moved into place at the end (`staging_dir`). With calibration offloaded
-to disk, the blocks' tensors come from safetensors files and are copied into model.safetensors one
-tensor at a time (`merge_safetensors`), so the whole checkpoint is never in memory; the file is
-laid out as safetensors' own `save_file` lays it out, byte for byte.
+next to the destination and moved into place at the end (`output_dir.staging_dir`). With
+calibration offloaded to disk, the blocks' tensors come from safetensors files and are copied into
+model.safetensors one tensor at a time (`merge_safetensors`), so the whole checkpoint is never in
+memory; the file is laid out as safetensors' own `save_file` lays it out, byte for byte.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
-import os
-import shutil
 import struct
-import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -56,8 +52,6 @@ __all__ = [
     "awq_config",
     "compressed_tensors_config",
     "kv_cache_scheme",
-    "check_output_dir",
-    "staging_dir",
     "write_checkpoint",
     "merge_safetensors",
 ]
@@ -201,48 +195,6 @@ def kv_cache_scheme() -> dict[str, Any]:
 
 
 # -------------------------------------------------------------------------------------- output
-
-
-def check_output_dir(output_dir: str | Path, overwrite: bool) -> Path:
-    """Refuse a non-empty destination unless `overwrite`; a file in its place is always refused."""
-    out = Path(output_dir)
-    if out.exists() and not out.is_dir():
-        raise QServeError(f"output path {out} exists and is not a folder", param="output")
-    if out.is_dir() and any(out.iterdir()) and not overwrite:
-        raise QServeError(
-            f"output folder {out} is not empty (pass overwrite=True to replace it)",
-            param="output",
-        )
-    return out
-
-
-@contextlib.contextmanager
-def staging_dir(output_dir: str | Path, overwrite: bool = False) -> Iterator[Path]:
-    """A temporary folder beside `output_dir`, moved into its place when the block succeeds."""
-    out = check_output_dir(output_dir, overwrite).resolve()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
-        yield tmp
-        set_default_permissions(tmp)
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-
-
-def set_default_permissions(folder: Path) -> None:
-    """Folders 0777 and files 0666 less the umask (0755 / 0644 under the usual 022), as
-    `save_pretrained` leaves them: `mkdtemp` makes its folder 0700, which another user (a
-    server in a container with another uid) cannot read."""
-    umask = os.umask(0)
-    os.umask(umask)
-    folder.chmod(0o777 & ~umask)
-    for path in folder.rglob("*"):
-        if not path.is_symlink():
-            path.chmod((0o777 if path.is_dir() else 0o666) & ~umask)
 
 
 def write_checkpoint(

@@ -131,6 +131,10 @@ class BlockPool:
         block.block_hash = None
         block.token_ids = ()
 
+    def uncache(self, block: KVCacheBlock) -> None:
+        """Take a block out of the prefix cache (its K/V were never written)."""
+        self._maybe_evict_cached_block(block)
+
     def cache_full_block(
         self, block: KVCacheBlock, block_hash: BlockHash, token_ids: Sequence[int]
     ) -> None:

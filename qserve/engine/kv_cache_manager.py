@@ -32,6 +32,19 @@ class KVCacheManager:
         self.req_to_block_hashes: dict[str, list[BlockHash]] = {}
         self.num_cached_block: dict[str, int] = {}
         self.prefix_cache_stats = PrefixCacheStats()
+        # blocks this step put in the prefix cache before the model wrote their K/V: taken out
+        # again if the step fails (`uncache_step`), so no later prompt reuses unwritten pages
+        self._step_cached: list[tuple[str, KVCacheBlock]] = []
+
+    def begin_step(self) -> None:
+        self._step_cached.clear()
+
+    def uncache_step(self) -> None:
+        """The step failed: what it cached holds no K/V; forget it."""
+        for request_id, block in self._step_cached:
+            self.block_pool.uncache(block)
+            self.num_cached_block.pop(request_id, None)
+        self._step_cached.clear()
 
     @property
     def usage(self) -> float:
@@ -107,6 +120,7 @@ class KVCacheManager:
         blocks = self.req_to_blocks[request.request_id]
         for i in range(start, num_full):
             self.block_pool.cache_full_block(blocks[i], hashes[i], self._block_tokens(request, i))
+            self._step_cached.append((request.request_id, blocks[i]))
         self.num_cached_block[request.request_id] = num_full
 
     def slot_usage(self, requests: list[Request]) -> tuple[int, int]:

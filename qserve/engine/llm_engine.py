@@ -256,7 +256,12 @@ class LLMEngine:
         out = self.scheduler.schedule()
         if out.is_empty:
             return []
-        sampled = self.model_runner.execute_model(out)
+        try:
+            sampled = self.model_runner.execute_model(out)
+        except BaseException:
+            # Blocks cached for this step were never written: no later prompt may hit them.
+            self.scheduler.kv_cache_manager.uncache_step()
+            raise
         token_ids = {req_id: s.token_id for req_id, s in sampled.items()}
         updated = self.scheduler.update_from_output(out, token_ids)
         return self._process_outputs(updated, sampled)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import signal
 import socket
@@ -39,6 +38,12 @@ from qserve.server.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
+from qserve.server.security import (
+    HostCheckMiddleware,
+    allowed_hosts,
+    check_bearer,
+    check_json_content_type,
+)
 from qserve.server.serving_chat import OpenAIServingChat
 from qserve.server.serving_completion import OpenAIServingCompletion
 from qserve.server.serving_engine import SSEStream, close_all, now
@@ -71,6 +76,8 @@ class ServerConfig:
     # max_tokens of a request without one: None is 16 on /v1/completions (vLLM's default) and
     # the rest of the context on /v1/chat/completions (OpenAI's)
     max_tokens_default: int | None = None
+    # Host headers answered (None: loopback names when bound to loopback, else any; "*": any)
+    allowed_hosts: tuple[str, ...] | None = None
 
 
 class Server:
@@ -87,15 +94,7 @@ class Server:
         self.chat = OpenAIServingChat(*serving)
 
     async def check_api_key(self, request: Request) -> None:
-        if self.config.api_key is None:
-            return
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token, self.config.api_key):
-            raise APIError(
-                "Incorrect or missing API key: send `Authorization: Bearer <key>`.",
-                status_code=401,
-                code="invalid_api_key",
-            )
+        check_bearer(request, self.config.api_key)
 
 
 def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
@@ -110,6 +109,7 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
         await server.engine.shutdown()
 
     app = FastAPI(title="qserve", lifespan=lifespan)
+    app.add_middleware(HostCheckMiddleware, hosts=allowed_hosts(config.host, config.allowed_hosts))
     app.state.server = server
     _add_exception_handlers(app)
     _add_routes(app, server)
@@ -218,7 +218,9 @@ class _EventSourceResponse(EventSourceResponse):
 
 async def parse_body(request: Request, model: type[M], limits: RequestLimits) -> M:
     """The JSON body as `model`, strictly typed; ValidationError (a 400) otherwise, 413 over
-    the size limit, and a quiet 499 when the client goes away while sending it."""
+    the size limit, 415 unless sent as JSON, and a quiet 499 when the client goes away while
+    sending it."""
+    check_json_content_type(request)
     try:
         body = await limits.read_body(request)
     except ClientDisconnect:

@@ -214,3 +214,26 @@ def test_output_stops_at_max_model_len(model_dir, prompts):
     )[0]
     assert len(out.prompt_token_ids) + len(out.outputs[0].token_ids) == 40
     assert out.outputs[0].finish_reason == "length"
+
+
+def test_a_failed_step_leaves_no_unwritten_block_in_the_prefix_cache(model_dir, prompts, expected):
+    """Blocks are cached when scheduled, before the model writes them: a step that raises must
+    take them out again, or the next identical prompt reuses pages never written (filled with
+    noise here)."""
+    llm = make_llm(model_dir)
+    engine = llm.engine
+    for kv_cache in engine.model_runner.kv_caches:
+        kv_cache.normal_()
+    real = engine.model_runner.execute_model
+
+    def broken(out):
+        raise RuntimeError("injected fault")
+
+    engine.model_runner.execute_model = broken
+    engine.add_request("doomed", prompts[7], GREEDY)
+    with pytest.raises(RuntimeError, match="injected fault"):
+        engine.step()
+    engine.abort_request("doomed")
+    engine.model_runner.execute_model = real
+    assert_all_blocks_free(llm)
+    assert token_ids(llm, [prompts[7]]) == [expected[7]]

@@ -5,7 +5,7 @@ import torch
 
 from qserve.errors import QServeError
 from qserve.kernels.packing import dequantize_awq, dequantize_gptq
-from qserve.quantize import export
+from qserve.quantize import export, output_dir
 from qserve.quantize.gptq import accumulate_hessian, gptq_quantize
 from qserve.quantize.rtn import rtn_quantize
 
@@ -92,10 +92,11 @@ def test_configs() -> None:
 def test_output_folder_rules(tmp_path) -> None:
     out = tmp_path / "out"
     out.mkdir()
-    (out / "old.txt").write_text("x")
+    (out / "config.json").write_text("{}")
+    (out / "old.safetensors").write_text("x")
     with pytest.raises(QServeError, match="not empty"):
-        export.check_output_dir(out, overwrite=False)
-    with export.staging_dir(out, overwrite=True) as tmp:
+        output_dir.check_output_dir(out, overwrite=False)
+    with output_dir.staging_dir(out, overwrite=True) as tmp:
         assert tmp.parent == out.parent.resolve() and tmp != out
         export.write_checkpoint(tmp, {"a": torch.zeros(2)}, {"x": 1}, {"extra.json": {"y": 2}})
     assert sorted(p.name for p in out.iterdir()) == [
@@ -110,7 +111,7 @@ def test_output_folder_rules(tmp_path) -> None:
 def test_failed_write_leaves_destination_alone(tmp_path) -> None:
     out = tmp_path / "out"
     with pytest.raises(RuntimeError):
-        with export.staging_dir(out) as tmp:
+        with output_dir.staging_dir(out) as tmp:
             (tmp / "partial").write_text("x")
             raise RuntimeError("boom")
     assert list(tmp_path.iterdir()) == []

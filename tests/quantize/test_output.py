@@ -10,6 +10,7 @@ import pytest
 from click.testing import CliRunner
 
 from qserve.cli import cli
+from qserve.quantize import output_dir
 from qserve.quantize.driver import QuantizeSettings, default_output_dir, quantize_model
 
 
@@ -69,3 +70,81 @@ def test_checkpoint_permissions_follow_the_umask(tiny_llama: Path, tmp_path, uma
     os.umask(0o022)
     folder = quantize_model(tiny_llama, tmp_path / "r", "rtn", group_size=32)
     assert _modes(folder) == {("dir", 0o755), ("file", 0o644)}
+
+
+# -- what --overwrite may replace ---------------------------------------------------------------
+
+
+def _listing(folder: Path) -> list[str]:
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*"))
+
+
+def _quantize_cli(*args: str) -> object:
+    return CliRunner().invoke(cli, ["quantize", *args, "-m", "rtn", "--group-size", "32", "-q"])
+
+
+def test_overwrite_never_replaces_the_current_folder(monkeypatch, tiny_llama, tmp_path) -> None:
+    project = tmp_path / "project"
+    (project / "src").mkdir(parents=True)
+    (project / ".git").mkdir()
+    (project / "src" / "main.py").write_text("print('hi')")
+    before = _listing(project)
+    monkeypatch.chdir(project / "src")
+    for target in (".", "..", str(project)):
+        result = _quantize_cli(str(tiny_llama), "-o", target, "--overwrite")
+        assert result.exit_code == 2, result.output
+        assert "error: output folder" in result.output and "current folder" in result.output
+    assert _listing(project) == before
+
+
+def test_overwrite_never_replaces_the_input_model(tiny_llama: Path, tmp_path: Path) -> None:
+    before = _listing(tiny_llama)
+    for target in (tiny_llama, tiny_llama.parent):
+        result = _quantize_cli(str(tiny_llama), "-o", str(target), "--overwrite")
+        assert result.exit_code == 2 and "input model" in result.output, result.output
+    assert _listing(tiny_llama) == before
+
+
+def test_overwrite_replaces_only_a_checkpoint_folder(tiny_llama: Path, tmp_path: Path) -> None:
+    unrelated = tmp_path / "photos"
+    unrelated.mkdir()
+    (unrelated / "config.json").write_text("{}")  # looks like a checkpoint, but ...
+    (unrelated / "holiday.jpg").write_bytes(b"\xff\xd8")
+    result = _quantize_cli(str(tiny_llama), "-o", str(unrelated), "--overwrite")
+    assert result.exit_code == 2 and "holiday.jpg" in result.output, result.output
+    assert _listing(unrelated) == ["config.json", "holiday.jpg"]
+    checkpoint = tmp_path / "ckpt"
+    assert _quantize_cli(str(tiny_llama), "-o", str(checkpoint)).exit_code == 0
+    again = _quantize_cli(str(tiny_llama), "-o", str(checkpoint), "--overwrite")
+    assert again.exit_code == 0, again.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "photos"]  # nothing aside
+
+
+def test_a_failed_swap_keeps_the_old_checkpoint(tmp_path: Path, monkeypatch) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "config.json").write_text('{"old": true}')
+    real_rename = Path.rename
+
+    def failing_rename(self: Path, target: Path) -> Path:
+        if Path(target) == out and ".tmp-" in self.name:
+            raise OSError("disk gone")
+        return real_rename(self, target)
+
+    monkeypatch.setattr(Path, "rename", failing_rename)
+    with pytest.raises(OSError, match="disk gone"):
+        with output_dir.staging_dir(out, overwrite=True) as tmp:
+            (tmp / "config.json").write_text('{"new": true}')
+    assert (out / "config.json").read_text() == '{"old": true}'
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]
+
+
+def test_stale_staging_folders_of_dead_processes_are_removed(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    dead = tmp_path / ".out.tmp-999999999-abc"  # no such pid
+    live = tmp_path / f".out.tmp-{os.getpid()}-xyz"
+    for folder in (dead, live):
+        folder.mkdir()
+    with output_dir.staging_dir(out) as tmp:
+        (tmp / "config.json").write_text("{}")
+    assert not dead.exists() and live.exists()

@@ -129,8 +129,10 @@ CASES = [
 def _post(
     server: RunningServer, path: str, body: object, headers: dict[str, str]
 ) -> httpx.Response:
-    kw = {"content": body} if isinstance(body, bytes) else {"json": body}
-    return server.http.post(path, headers=headers, **kw)
+    if isinstance(body, bytes):  # malformed JSON, sent as JSON
+        headers = {**headers, "Content-Type": "application/json"}
+        return server.http.post(path, headers=headers, content=body)
+    return server.http.post(path, headers=headers, json=body)
 
 
 def _assert_error_body(response: httpx.Response, status: int) -> dict[str, object]:

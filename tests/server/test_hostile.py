@@ -144,9 +144,10 @@ def test_every_limit_is_a_4xx_and_the_victim_keeps_streaming(limited_server) -> 
     text_bound = MAX_POSITION_EMBEDDINGS * server.server.engine.tokenizer.max_token_chars
     with VictimStream(server) as victim:
         big = b'{"prompt": "' + b"x" * (2**20) + b'"}'
-        _error(post("/v1/completions", content=big), 413, "body")
+        json_type = {"Content-Type": "application/json"}
+        _error(post("/v1/completions", content=big, headers=json_type), 413, "body")
         chunked = (big[i : i + 65536] for i in range(0, len(big), 65536))  # no content-length
-        _error(post("/v1/completions", content=chunked), 413, "body")
+        _error(post("/v1/completions", content=chunked, headers=json_type), 413, "body")
         _error(post("/v1/completions", json={"prompt": ["a"] * 9}), 400, "prompt")
         _error(post("/v1/completions", json={"prompt": ["a"] * 4, "n": 5}), 400, "n")
         _error(post("/v1/completions", json={"prompt": "a", "stop": list("abcde")}), 400, "stop")
@@ -210,7 +211,7 @@ def _open_unread_stream(server: RunningServer, body: dict) -> socket.socket:
     sock.connect((host, int(port)))
     payload = json.dumps(body).encode()
     sock.sendall(
-        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
         + f"Content-Length: {len(payload)}\r\n\r\n".encode()
         + payload
     )
@@ -257,7 +258,10 @@ def test_client_gone_while_sending_its_body_is_quiet(open_server: RunningServer,
         for _ in range(3):
             host, port = open_server.base_url.removeprefix("http://").split(":")
             sock = socket.create_connection((host, int(port)))
-            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 99\r\n\r\n{")
+            sock.sendall(
+                b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\n"
+                b"Content-Type: application/json\r\nContent-Length: 99\r\n\r\n{"
+            )
             sock.close()
         time.sleep(0.5)
         assert open_server.http.get("/health").status_code == 200

@@ -199,12 +199,41 @@ def resolve_recipe(name_or_path: str) -> Recipe:
     return find_recipe(name_or_path)
 
 
-def load_recipe(path: Path) -> Recipe:
-    """Parse, validate and check one recipe file; every problem is a one-line QServeError."""
+MAX_RECIPE_BYTES = 64 * 1024  # the shipped recipes are under 2 kB
+
+
+class _RecipeLoader(yaml.SafeLoader):
+    """safe_load without aliases: `*name` can expand a 1.7 kB file into gigabytes (a YAML
+    bomb), and a recipe has no use for them."""
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        if self.check_event(yaml.events.AliasEvent):
+            mark = self.peek_event().start_mark
+            raise yaml.composer.ComposerError(None, None, "aliases are not allowed", mark)
+        return super().compose_node(parent, index)
+
+
+def _read_recipe_text(path: Path) -> str:
     if not path.is_file():
         raise QServeError(f"recipe {path}: no such file", "recipe")
     try:
-        data = yaml.safe_load(path.read_text())
+        if path.stat().st_size > MAX_RECIPE_BYTES:
+            raise QServeError(f"recipe {path}: larger than {MAX_RECIPE_BYTES} bytes", "recipe")
+        return path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError:
+        raise QServeError(f"recipe {path}: not UTF-8 text", "recipe") from None
+    except OSError as exc:
+        raise QServeError(f"recipe {path}: cannot read it ({exc.strerror})", "recipe") from None
+
+
+def load_recipe(path: Path) -> Recipe:
+    """Parse, validate and check one recipe file; every problem is a one-line QServeError."""
+    text = _read_recipe_text(path)
+    try:
+        data = yaml.load(text, Loader=_RecipeLoader)  # noqa: S506 (a SafeLoader)
+    except yaml.composer.ComposerError as exc:
+        line = exc.problem_mark.line + 1 if exc.problem_mark else "?"
+        raise QServeError(f"recipe {path}: {exc.problem} (line {line})", "recipe") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" (line {mark.line + 1})" if mark is not None else ""
@@ -237,9 +266,15 @@ def _describe(exc: ValidationError) -> str:
     if kind == "missing":
         return f"{key}: missing"
     if kind == "literal_error":
-        return f"{key}: {err['input']!r} is not allowed (allowed: {_allowed(err)})"
+        return f"{key}: {_excerpt(err['input'])} is not allowed (allowed: {_allowed(err)})"
     msg = str(err["msg"]).removeprefix("Value error, ")
-    return f"{key}: {msg}, got {err['input']!r}".replace("\n", " ")
+    return f"{key}: {msg}, got {_excerpt(err['input'])}".replace("\n", " ")
+
+
+def _excerpt(value: Any, limit: int = 60) -> str:
+    """repr(value), cut short: an error line never echoes more than a few words of input."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _allowed(err: Any) -> str:

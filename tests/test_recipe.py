@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -137,6 +138,35 @@ def test_missing_file_and_unknown_name(tmp_path):
         rc.find_recipe(str(tmp_path / "nowhere.yaml"))
     with pytest.raises(QServeError, match=r"no recipe named 'h100' \(shipped: a100-awq-w4, "):
         rc.find_recipe("h100")
+
+
+def test_yaml_bomb_is_refused_at_once(tmp_path):
+    """Nine levels of nine aliases: 1 kB of text, 9**9 list items if expanded."""
+    lines = ["l0: &l0 [x, x, x, x, x, x, x, x, x]"]
+    for i in range(1, 9):
+        lines.append(f"l{i}: &l{i} [" + ", ".join([f"*l{i - 1}"] * 9) + "]")
+    (tmp_path / "bomb.yaml").write_text("\n".join([*lines, "quantize: *l8", ""]))
+    start = time.monotonic()
+    with pytest.raises(QServeError, match=r"bomb.yaml: aliases are not allowed \(line 2\)"):
+        rc.load_recipe(tmp_path / "bomb.yaml")
+    assert time.monotonic() - start < 1.0
+
+
+def test_huge_binary_and_unreadable_files_are_refused(tmp_path):
+    (tmp_path / "huge.yaml").write_text("# " + "x" * rc.MAX_RECIPE_BYTES)
+    with pytest.raises(QServeError, match="huge.yaml: larger than 65536 bytes"):
+        rc.load_recipe(tmp_path / "huge.yaml")
+    (tmp_path / "binary.yaml").write_bytes(b"\xff\xfe\x00\x01")
+    with pytest.raises(QServeError, match="binary.yaml: not UTF-8 text"):
+        rc.load_recipe(tmp_path / "binary.yaml")
+    with pytest.raises(QServeError, match="no such file"):
+        rc.load_recipe(tmp_path)  # a folder
+
+
+def test_errors_quote_only_an_excerpt_of_the_input(tmp_path):
+    message = error_of(tmp_path, base(**{"quantize.method": "m" * 10_000}))
+    assert "quantize.method: 'mmmm" in message and "m... is not allowed" in message
+    assert len(message) < 300
 
 
 def test_not_yaml_and_not_a_mapping(tmp_path):

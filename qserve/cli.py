@@ -37,7 +37,8 @@ GROUP_SIZE = _GroupSize()
 
 
 class _Group(click.Group):
-    """Turns QServeError into one line on stderr and exit status 2, never a traceback."""
+    """Turns QServeError into one line on stderr and exit status 2, never a traceback; any
+    other failure is one line too (exit 1), its traceback shown only with -v."""
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
@@ -45,6 +46,14 @@ class _Group(click.Group):
         except QServeError as exc:
             click.echo(f"error: {exc}", err=True)
             ctx.exit(2)
+        except (click.exceptions.Exit, click.ClickException, click.Abort, KeyboardInterrupt):
+            raise
+        except Exception as exc:
+            if logger.isEnabledFor(logging.DEBUG):  # -v
+                raise
+            first = (str(exc).strip().splitlines() or [""])[0][:300]
+            click.echo(f"error: {type(exc).__name__}: {first} (-v shows where)", err=True)
+            ctx.exit(1)
 
 
 @click.group(cls=_Group)

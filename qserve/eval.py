@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from qserve.data import EVAL_CHAPTERS, moby_dick
-from qserve.errors import QServeError
+from qserve.errors import QServeError, read_user_text
 
 if TYPE_CHECKING:
     from qserve.engine.llm_engine import LLMEngine
@@ -56,7 +56,7 @@ def load_eval_text(data: str | Path) -> str:
         raise QServeError(f"eval data {path} does not exist", param="data")
     if path.suffix != ".txt":
         raise QServeError(f"eval data must be a .txt file or a folder, got {path.name}", "data")
-    return path.read_text(encoding="utf-8")
+    return read_user_text(path, "eval data", "data")
 
 
 def _builtin_text() -> str:
@@ -67,7 +67,7 @@ def _folder_text(folder: Path) -> str:
     files = sorted(folder.glob("*.txt"))
     if not files:
         raise QServeError(f"eval data folder {folder} has no .txt files", param="data")
-    return "\n".join(f.read_text(encoding="utf-8") for f in files)
+    return "\n".join(read_user_text(f, "eval data", "data") for f in files)
 
 
 def windows(token_ids: list[int], seq_len: int, max_tokens: int | None = None) -> list[list[int]]:

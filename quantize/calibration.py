@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from qserve.data import CALIBRATION_FILE, read_text
-from qserve.errors import QServeError
+from qserve.errors import QServeError, read_user_text
 
 __all__ = ["load_calibration_text", "calibration_windows"]
 
@@ -30,13 +30,14 @@ def load_calibration_text(calib: str | Path | None = None) -> str:
     if path.suffix == ".jsonl":
         return "\n\n".join(_jsonl_texts(path))
     if path.suffix == ".txt":
-        return path.read_text(encoding="utf-8")
+        return read_user_text(path, "calibration file", "calib")
     raise QServeError(f"calibration file must be .txt or .jsonl, got {path.name}", param="calib")
 
 
 def _jsonl_texts(path: Path) -> list[str]:
     texts = []
-    for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+    text = read_user_text(path, "calibration file", "calib")
+    for lineno, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         try:

@@ -63,6 +63,7 @@ from qserve.quantize.gptq import (
     gptq_w8_quantize,
 )
 from qserve.quantize.kv_scales import KVObserver, check_kv_cache_dtype, kv_scale
+from qserve.quantize.model_check import check_model_tensors
 from qserve.quantize.rtn import QuantizedWeight, rtn_quantize
 from qserve.quantize.smoothquant import (
     activation_absmax,
@@ -310,10 +311,13 @@ def quantize_model(
     out_dtype = _out_dtype(dtype, method)
     if not Path(model_path, "config.json").is_file():
         raise QServeError(f"{model_path} is not a model folder (no config.json)", param="model")
+    if scales_path is not None and Path(scales_path).is_dir():
+        raise QServeError(f"scales file {scales_path} is a folder", param="scales_path")
     config = AutoConfig.from_pretrained(model_path)
     spec = arch_spec(config.model_type)
     if settings.group_size == "auto":
         settings = dataclasses.replace(settings, group_size=auto_group_size(config, spec, settings))
+    check_model_tensors(model_path, config)
     if output_dir is None:
         output_dir = default_output_dir(model_name or Path(model_path).name, settings)
     output_dir_rules.check_output_dir(output_dir, overwrite, model_path)

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
@@ -90,11 +90,20 @@ class ScaleResult:
 
     @classmethod
     def load(cls, path: str | Path) -> ScaleResult:
-        with safe_open(str(path), "pt") as f:
-            meta = f.metadata() or {}
-        tensors = load_file(str(path))
+        try:
+            with safe_open(str(path), "pt") as f:
+                meta = f.metadata() or {}
+            tensors = load_file(str(path))
+        except (OSError, SafetensorError) as exc:
+            raise QServeError(
+                f"scales file {path} is not a saved scale search ({exc})", param="scales_path"
+            ) from None
         result = cls()
+        if any(key.split(":", 1)[0] not in ("scale", "clip") for key in tensors):
+            raise QServeError(f"scales file {path} is not a saved scale search", "scales_path")
         for name in filter(None, meta.get("order", "").split(",")):
+            if f"scale:{name}" not in tensors:
+                raise QServeError(f"scales file {path} lacks the scales of {name}", "scales_path")
             result.scales[name] = tensors[f"scale:{name}"]
         for key, value in tensors.items():
             kind, name = key.split(":", 1)

@@ -37,6 +37,9 @@ def check_output_dir(
     out = Path(output_dir)
     if out.exists() and not out.is_dir():
         raise QServeError(f"output path {out} exists and is not a folder", param="output")
+    blocking = next((p for p in out.absolute().parents if p.exists() and not p.is_dir()), None)
+    if blocking is not None:
+        raise QServeError(f"output path {out}: {blocking} is a file, not a folder", "output")
     resolved = out.resolve()
     cwd = Path.cwd().resolve()
     if resolved == cwd or resolved in cwd.parents:

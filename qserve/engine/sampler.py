@@ -34,8 +34,18 @@ def make_generator(
     if params.sampling_type != SamplingType.RANDOM_SEED:
         return None
     generator = torch.Generator(device=device)
-    generator.manual_seed(params.seed % 2**64)
+    generator.manual_seed(mix_seed(params.seed))
     return generator
+
+
+def mix_seed(seed: int) -> int:
+    """The 64-bit seed, every bit mixed into every other (splitmix64's finalizer). torch's CPU
+    generator (mt19937) keeps only the low 32 bits of its seed, so seed 1 and seed 2**32 + 1 drew
+    the same numbers; mixed, the high bits count too."""
+    z = seed % 2**64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) % 2**64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) % 2**64
+    return z ^ (z >> 31)
 
 
 @dataclass

@@ -111,7 +111,7 @@ class SamplingParams:
         """Params of child `index` of an n > 1 request: n=1, and seed + index when seeded."""
         if not 0 <= index < self.n:
             raise ValueError(f"child index {index} out of range for n={self.n}")
-        seed = None if self.seed is None else self.seed + index
+        seed = None if self.seed is None else (self.seed + index) % 2**64  # stays in range
         return replace(self, n=1, seed=seed)
 
 

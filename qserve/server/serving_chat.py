@@ -77,7 +77,7 @@ class OpenAIServingChat(OpenAIServing):
 
     def _token_logprob(self, token_id: int, logprob: float) -> Json:
         text = self.token_text(token_id)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+        return {"token": text, "logprob": logprob, "bytes": self.token_bytes(token_id)}
 
     # -- stream --------------------------------------------------------------------------------
 

@@ -31,13 +31,13 @@ class _ChoiceState:
 
     started: bool = False
     num_tokens: int = 0
-    text_offset: int = 0
+    text_offset: int = 0  # of the next token's logprobs entry (see `_logprobs`)
     finished: bool = False
 
-    def update(self, completion: CompletionOutput, num_chars: int) -> None:
+    def update(self, completion: CompletionOutput, text_offset: int) -> None:
         self.started = True
         self.num_tokens = len(completion.token_ids)
-        self.text_offset += num_chars
+        self.text_offset = text_offset
         self.finished = completion.finished
 
 
@@ -78,7 +78,7 @@ class OpenAIServingCompletion(OpenAIServing):
             prefix = self._prompt_text(prompts[i]) if request.echo else ""
             for completion in output.outputs:
                 index = i * request.n + completion.index
-                logprobs = self._logprobs(completion.logprobs, request.logprobs, 0)
+                logprobs, _ = self._logprobs(completion.logprobs, request.logprobs, len(prefix))
                 choices.append(_choice(index, prefix + completion.text, logprobs, completion))
         return {
             "id": request_id,
@@ -94,21 +94,24 @@ class OpenAIServingCompletion(OpenAIServing):
 
     def _logprobs(
         self, entries: list[Logprobs] | None, num_top: int | None, text_offset: int
-    ) -> Json | None:
-        """OpenAI's legacy logprobs object for `entries` (one per generated token)."""
+    ) -> tuple[Json | None, int]:
+        """OpenAI's legacy logprobs object for `entries` (one per generated token), and the
+        offset after them. A token's text_offset is where it starts if the tokens' own texts
+        follow the echoed prompt (vLLM's rule), the same in a stream and in a whole response."""
         if entries is None or num_top is None:
-            return None
+            return None, text_offset
         tokens, offsets = [], []
         for entry in entries:
             offsets.append(text_offset)
             tokens.append(self.token_text(entry.sampled_token_id))
             text_offset += len(tokens[-1])
-        return {
+        logprobs = {
             "tokens": tokens,
             "token_logprobs": [e.logprob for e in entries],
             "top_logprobs": [self._top(e, num_top) for e in entries],
             "text_offset": offsets,
         }
+        return logprobs, text_offset
 
     def _top(self, entry: Logprobs, num_top: int) -> dict[str, float]:
         top = {
@@ -168,16 +171,15 @@ class OpenAIServingCompletion(OpenAIServing):
         sent = state.choice(index)
         if sent.finished:
             return None
-        text = completion.delta_text
+        text, offset = completion.delta_text, sent.text_offset
         if request.echo and not sent.started:
-            text = self._prompt_text(prompt) + text
+            echoed = self._prompt_text(prompt)
+            text, offset = echoed + text, len(echoed)
         new_entries = (completion.logprobs or [])[sent.num_tokens :]
-        logprobs = self._logprobs(
-            new_entries if completion.logprobs is not None else None,
-            request.logprobs,
-            sent.text_offset,
+        logprobs, offset = self._logprobs(
+            new_entries if completion.logprobs is not None else None, request.logprobs, offset
         )
-        sent.update(completion, len(text))
+        sent.update(completion, offset)
         if not text and not completion.finished and not new_entries:
             return None
         return _choice(index, text, logprobs, completion)

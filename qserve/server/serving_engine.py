@@ -4,8 +4,10 @@ collecting or merging their outputs, usage, logprob tokens and SSE chunks."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -37,6 +39,8 @@ class OpenAIServing:
         self.max_tokens_default = max_tokens_default
         self.tokenizer = engine.engine.tokenizer
         self._token_texts: dict[int, str] = {}
+        self._token_bytes: dict[int, list[int]] = {}
+        self._byte_level = is_byte_level(self.tokenizer)
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.served_model_name:
@@ -74,6 +78,15 @@ class OpenAIServing:
             raise
         return streams
 
+    def token_bytes(self, token_id: int) -> list[int]:
+        """A token's own bytes, as logprobs' `bytes` show them: a token that is part of a
+        character (one byte of an emoji) gives that byte, not the U+FFFD its text decodes to."""
+        raw = self._token_bytes.get(token_id)
+        if raw is None:
+            raw = token_bytes(self.tokenizer, token_id, self._byte_level)
+            self._token_bytes[token_id] = raw
+        return raw
+
     def token_text(self, token_id: int) -> str:
         """A token's own text, as logprobs show it (decoded alone, so maybe a partial char)."""
         text = self._token_texts.get(token_id)
@@ -90,6 +103,43 @@ class SSEStream:
 
     payloads: AsyncIterator[str]
     streams: list[RequestStream]
+
+
+def is_byte_level(tokenizer: Any) -> bool:
+    """Whether the tokenizer's pieces are GPT-2 style byte-level strings (one char per byte)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return False
+    decoder = json.loads(backend.to_str()).get("decoder") or {}
+    return decoder.get("type") == "ByteLevel"
+
+
+@functools.cache
+def _unicode_to_byte() -> dict[str, int]:
+    """The inverse of GPT-2's bytes_to_unicode: printable bytes map to themselves, the others
+    to 256 + n in order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+                 *range(ord("®"), ord("ÿ") + 1)]  # fmt: skip
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+def token_bytes(tokenizer: Any, token_id: int, byte_level: bool) -> list[int]:
+    """The bytes token `token_id` stands for: byte-level pieces mapped back to bytes,
+    SentencePiece byte-fallback pieces (`<0xE2>`) to their byte, others as UTF-8 text."""
+    piece = tokenizer.convert_ids_to_tokens(token_id)
+    table = _unicode_to_byte()
+    if byte_level and isinstance(piece, str) and all(c in table for c in piece):
+        return [table[c] for c in piece]
+    if isinstance(piece, str) and re.fullmatch(r"<0x[0-9A-Fa-f]{2}>", piece):
+        return [int(piece[3:5], 16)]
+    return list(tokenizer.decode([token_id]).encode("utf-8"))
 
 
 def random_id(prefix: str) -> str:

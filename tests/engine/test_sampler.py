@@ -267,3 +267,22 @@ def test_seeded_top_p_row_is_unchanged_when_a_flat_row_forces_a_full_sort():
     with_flat = run(torch.cat([peaked, flat]), [params, SamplingParams(top_p=0.9)])
     assert with_flat == alone
     assert len(set(alone)) > 1
+
+
+def test_every_bit_of_a_64_bit_seed_counts():
+    """mt19937 keeps 32 bits of its seed: without mixing, seed 1 and 2**32 + 1 drew the same."""
+    from qserve.engine.sampler import make_generator
+
+    def draws(seed: int) -> list[float]:
+        generator = make_generator(SamplingParams(seed=seed, temperature=1.0))
+        return torch.rand(4, generator=generator).tolist()
+
+    assert draws(1) == draws(1)
+    assert (
+        len({tuple(draws(s)) for s in (1, 2**32 + 1, 2**63 + 1, -1, 2**64 - 1)}) == 4
+    )  # -1 is 2**64-1
+
+
+def test_n_samples_of_the_largest_seed():
+    params = SamplingParams(n=3, seed=2**64 - 1, temperature=1.0)
+    assert [params.child_params(i).seed for i in range(3)] == [2**64 - 1, 0, 1]

@@ -242,7 +242,8 @@ def test_checkpoint_missing_a_block_tensor(tiny_llama: Path, tmp_path: Path) -> 
     del tensors["model.layers.1.mlp.up_proj.weight"]
     save_file(tensors, str(folder / "model.safetensors"))
     message = _error(folder, tmp_path, tmp_path / "off")
-    assert message.startswith(f"{folder} has no tensor model.layers.1.mlp.up_proj.weight")
+    assert message.startswith(f"{folder}: the checkpoint does not match its config.json: it has "
+                              "no tensor model.layers.1.mlp.up_proj.weight")  # fmt: skip
     assert not (tmp_path / "off").exists()
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import openai
@@ -241,3 +242,35 @@ def test_tokenize_messages_uses_the_chat_template(server: RunningServer) -> None
     assert got["tokens"] == tokenizer.encode(prompt, add_special_tokens=False)
     both = {"messages": MESSAGES, "prompt": PROMPT}
     assert server.http.post("/tokenize", json=both, headers=server.auth).status_code == 400
+
+
+def test_logprob_bytes_are_the_tokens_own_bytes(server: RunningServer) -> None:
+    """An emoji is several byte-level tokens; each token's `bytes` are its bytes, not the
+    U+FFFD its lone text decodes to."""
+    serving = server.server.chat
+    ids = serving.tokenizer.encode("😀 é", add_special_tokens=False)
+    assert len(ids) > 2 and "\ufffd" in serving.token_text(ids[0])
+    joined = b"".join(bytes(serving.token_bytes(i)) for i in ids)
+    assert joined == "😀 é".encode()
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "logprobs": True,
+            "temperature": 0}  # fmt: skip
+    response = server.http.post("/v1/chat/completions", json=body, headers=server.auth).json()
+    entries = response["choices"][0]["logprobs"]["content"]
+    text = b"".join(bytes(e["bytes"]) for e in entries).decode("utf-8", errors="replace")
+    assert text == response["choices"][0]["message"]["content"]
+
+
+def test_text_offsets_agree_between_stream_and_whole_response(server: RunningServer) -> None:
+    body = {"prompt": "😀 The whale", "max_tokens": 24, "logprobs": 2, "temperature": 0,
+            "stop": ["never-seen-stop-string"],
+            "ignore_eos": True}  # fmt: skip
+    whole = server.http.post("/v1/completions", json=body, headers=server.auth).json()
+    offsets: list[int] = []
+    with server.http.stream("POST", "/v1/completions", json={**body, "stream": True},
+                            headers=server.auth) as response:  # fmt: skip
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                choice = json.loads(line.removeprefix("data: "))["choices"][0]
+                offsets += (choice["logprobs"] or {}).get("text_offset", [])
+    assert offsets == whole["choices"][0]["logprobs"]["text_offset"]
+    assert len(offsets) == 24

@@ -268,6 +268,12 @@ def _as_dict(out: Any) -> dict[str, Any]:
     help="Host header names answered (repeatable; * for any). [default: loopback names when "
     "bound to loopback (DNS-rebinding guard), else any]",
 )
+@click.option(
+    "--special-tokens-in-content",
+    is_flag=True,
+    help="Parse text like <|im_end|> inside chat messages as the special token, as vLLM does "
+    "(by default it stays text, so a user cannot forge another role's turn).",
+)
 @click.option("--served-model-name", default=None, help="Model id clients send; default: MODEL.")
 @click.option(
     "--max-queue",
@@ -338,6 +344,7 @@ def serve(
     api_key: str | None,
     metrics_public: bool,
     allowed_hosts: tuple[str, ...],
+    special_tokens_in_content: bool,
     served_model_name: str | None,
     max_queue: int,
     max_request_body: str,
@@ -372,6 +379,7 @@ def serve(
         api_key=api_key or None,
         metrics_public=metrics_public,
         allowed_hosts=allowed_hosts or None,
+        special_tokens_in_content=special_tokens_in_content,
         max_queue=max_queue,
         drain_timeout=drain_timeout,
         stream_timeout=stream_timeout,

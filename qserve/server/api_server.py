@@ -76,6 +76,8 @@ class ServerConfig:
     # max_tokens of a request without one: None is 16 on /v1/completions (vLLM's default) and
     # the rest of the context on /v1/chat/completions (OpenAI's)
     max_tokens_default: int | None = None
+    # parse text like <|im_end|> inside chat messages as special tokens (vLLM does)
+    special_tokens_in_content: bool = False
     # Host headers answered (None: loopback names when bound to loopback, else any; "*": any)
     allowed_hosts: tuple[str, ...] | None = None
 
@@ -92,6 +94,7 @@ class Server:
         serving = (self.engine, config.served_model_name, config.limits, config.max_tokens_default)
         self.completion = OpenAIServingCompletion(*serving)
         self.chat = OpenAIServingChat(*serving)
+        self.chat.special_tokens_in_content = config.special_tokens_in_content
 
     async def check_api_key(self, request: Request) -> None:
         check_bearer(request, self.config.api_key)
@@ -175,11 +178,11 @@ async def _tokenize(server: Server, body: TokenizeRequest) -> dict[str, Any]:
         raise APIError("send exactly one of prompt and messages", param="prompt")
     worker, max_model_len = server.engine.tokenizer, server.engine.engine.max_model_len
     if body.messages is not None:
-        text, special = await worker.render(body.messages, body.add_generation_prompt), False
+        tokens = await server.chat.prompt_ids(body.messages, body.add_generation_prompt)
     else:
-        text, special = body.prompt or "", body.add_special_tokens
-    check_text_length(text, max_model_len, worker.max_token_chars)
-    tokens = await worker.encode(text, special)
+        text = body.prompt or ""
+        check_text_length(text, max_model_len, worker.max_token_chars)
+        tokens = await worker.encode(text, body.add_special_tokens)
     return {"tokens": tokens, "count": len(tokens), "max_model_len": max_model_len}
 
 

@@ -8,7 +8,8 @@ from contextlib import aclosing
 from qserve.engine.outputs import CompletionOutput, RequestOutput
 from qserve.engine.sampler import Logprobs
 from qserve.server.async_engine import RequestStream
-from qserve.server.protocol import ChatCompletionRequest
+from qserve.server.limits import check_text_length
+from qserve.server.protocol import ChatCompletionRequest, ChatMessage
 from qserve.server.serving_engine import (
     Json,
     OpenAIServing,
@@ -25,19 +26,31 @@ from qserve.server.serving_engine import (
 
 
 class OpenAIServingChat(OpenAIServing):
+    # Text like <|im_end|> in a message is parsed as the special token (off: plain text)
+    special_tokens_in_content: bool = False
+
     async def create(self, request: ChatCompletionRequest) -> Json | SSEStream:
         self.check_model(request.model)
         params = request.sampling_params(self.max_tokens_default)
-        prompt = await self.engine.tokenizer.render(request.messages, request.add_generation_prompt)
+        prompt_ids = await self.prompt_ids(request.messages, request.add_generation_prompt)
         request_id = random_id("chatcmpl")
-        # The template already wrote the special tokens (BOS, role markers): add none.
         streams = await self.add_requests(
-            request_id, [prompt], params, add_special_tokens=False, cache_salt=request.cache_salt
+            request_id, [prompt_ids], params, cache_salt=request.cache_salt
         )
         if request.stream:
             return SSEStream(self._stream(request_id, request, streams), streams)
         (output,) = await collect(streams)
         return self._response(request_id, request, output)
+
+    async def prompt_ids(self, messages: list[ChatMessage], generation_prompt: bool) -> list[int]:
+        """The chat template's prompt as token ids (its own special tokens included, so none
+        are added), refused before rendering when the messages alone overflow the context."""
+        worker = self.engine.tokenizer
+        text = "".join(m.template_dict()["content"] for m in messages)
+        check_text_length(text, self.engine.engine.max_model_len, worker.max_token_chars)
+        return await worker.chat_token_ids(
+            messages, generation_prompt, self.special_tokens_in_content
+        )
 
     # -- whole response ------------------------------------------------------------------------
 

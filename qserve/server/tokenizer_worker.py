@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import re
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -17,6 +18,8 @@ from typing import Any, TypeVar
 from qserve.server.protocol import APIError, ChatMessage
 
 T = TypeVar("T")
+# Stand-ins for message contents while the chat template renders (private-use characters)
+_CONTENT = re.compile("\ue000(\\d+)\ue001")
 
 
 class TokenizerWorker:
@@ -36,15 +39,42 @@ class TokenizerWorker:
     async def decode(self, token_ids: list[int]) -> str:
         return await self.run(lambda tok: tok.decode(token_ids))
 
-    async def render(self, messages: list[ChatMessage], add_generation_prompt: bool) -> str:
-        """The prompt text the tokenizer's chat template makes of `messages`."""
+    async def chat_token_ids(
+        self,
+        messages: list[ChatMessage],
+        add_generation_prompt: bool,
+        special_tokens_in_content: bool = False,
+    ) -> list[int]:
+        """The prompt's token ids: the chat template rendered and tokenized. The template's own
+        special tokens (role markers) are parsed; text like `<|im_end|>` inside a message stays
+        plain text unless `special_tokens_in_content`, so a user cannot close their turn and
+        write another role's. (vLLM tokenizes the rendered string whole, parsing both.)"""
         if not getattr(self.tokenizer, "chat_template", None):
             raise APIError("this model's tokenizer has no chat template", param="messages")
         turns = [m.template_dict() for m in messages]
-        return await self.run(lambda tok: _apply_template(tok, turns, add_generation_prompt))
+        parse = special_tokens_in_content
+        return await self.run(lambda tok: _chat_token_ids(tok, turns, add_generation_prompt, parse))
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _chat_token_ids(
+    tokenizer: Any, turns: list[dict[str, str]], generation_prompt: bool, parse_content: bool
+) -> list[int]:
+    if parse_content:
+        text = _apply_template(tokenizer, turns, generation_prompt)
+        return tokenizer.encode(text, add_special_tokens=False)
+    marked = [{**turn, "content": f"\ue000{i}\ue001"} for i, turn in enumerate(turns)]
+    parts = _CONTENT.split(_apply_template(tokenizer, marked, generation_prompt))
+    ids: list[int] = []
+    for k, part in enumerate(parts):  # template text, content index, template text, ...
+        if k % 2 == 0:
+            ids += tokenizer.encode(part, add_special_tokens=False) if part else []
+        else:
+            content = turns[int(part)]["content"]
+            ids += tokenizer.encode(content, add_special_tokens=False, split_special_tokens=True)
+    return ids
 
 
 def _apply_template(

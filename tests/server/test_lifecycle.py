@@ -10,6 +10,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -84,17 +85,31 @@ def _stream_tokens(base_url: str, first_chunk: threading.Event, result: list[obj
     result.append(chunks[-1].usage.completion_tokens)
 
 
-def test_serve_drains_on_sigterm_and_exits_0(tiny_model_dir: Path) -> None:
+@contextmanager
+def _serve_process(model_dir: Path, drain_timeout: str) -> Iterator[tuple[subprocess.Popen, str]]:
+    """`qserve serve` in its own process, healthy; on exit: killed if still running, and its
+    stderr must hold no traceback."""
     port = _free_port()
     base_url = f"http://127.0.0.1:{port}"
-    command = [sys.executable, "-m", "qserve.cli", "serve", str(tiny_model_dir), "--port",
-               str(port), "--served-model-name", MODEL_NAME, "--dtype", "float32",
-               "--kv-cache-memory", "1MiB", "--threads", "1", "--drain-timeout", "30"]  # fmt: skip
+    command = [sys.executable, "-m", "qserve.cli", "serve", str(model_dir), "--port", str(port),
+               "--served-model-name", MODEL_NAME, "--dtype", "float32", "--kv-cache-memory",
+               "1MiB", "--threads", "1", "--drain-timeout", drain_timeout]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     env.pop("QSERVE_API_KEY", None)
     process = subprocess.Popen(command, env=env, stderr=subprocess.PIPE)
     try:
         _wait_healthy(base_url, process)
+        yield process, base_url
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(10)
+        stderr = process.stderr.read().decode() if process.stderr else ""
+    assert "Traceback" not in stderr, stderr
+
+
+def test_serve_drains_on_sigterm_and_exits_0(tiny_model_dir: Path) -> None:
+    with _serve_process(tiny_model_dir, "30") as (process, base_url):
         first_chunk, result = threading.Event(), []
         client = threading.Thread(target=_stream_tokens, args=(base_url, first_chunk, result))
         client.start()
@@ -103,12 +118,6 @@ def test_serve_drains_on_sigterm_and_exits_0(tiny_model_dir: Path) -> None:
         client.join(60)
         assert result == [DRAIN_TOKENS]  # the request in flight finished in full
         assert process.wait(30) == 0
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait(10)
-        stderr = process.stderr.read().decode() if process.stderr else ""
-    assert "Traceback" not in stderr, stderr
 
 
 def _stream_lines(base_url: str, started: threading.Event, lines: list[str]) -> None:
@@ -123,16 +132,7 @@ def _stream_lines(base_url: str, started: threading.Event, lines: list[str]) -> 
 def test_sigterm_cuts_what_the_drain_window_cannot_finish(tiny_model_dir: Path) -> None:
     """Streams still running after --drain-timeout end with an error event and [DONE]; a plain
     request gets a JSON 503; the server exits 0 without a traceback."""
-    port = _free_port()
-    base_url = f"http://127.0.0.1:{port}"
-    command = [sys.executable, "-m", "qserve.cli", "serve", str(tiny_model_dir), "--port",
-               str(port), "--served-model-name", MODEL_NAME, "--dtype", "float32",
-               "--kv-cache-memory", "1MiB", "--threads", "1", "--drain-timeout", "0.2"]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    env.pop("QSERVE_API_KEY", None)
-    process = subprocess.Popen(command, env=env, stderr=subprocess.PIPE)
-    try:
-        _wait_healthy(base_url, process)
+    with _serve_process(tiny_model_dir, "0.2") as (process, base_url):
         streams = [(threading.Event(), []) for _ in range(3)]
         threads = [threading.Thread(target=_stream_lines, args=(base_url, *s)) for s in streams]
         plain: list[httpx.Response] = []
@@ -146,12 +146,6 @@ def test_sigterm_cuts_what_the_drain_window_cannot_finish(tiny_model_dir: Path) 
         for thread in threads:
             thread.join(60)
         assert process.wait(30) == 0
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait(10)
-        stderr = process.stderr.read().decode() if process.stderr else ""
-    assert "Traceback" not in stderr, stderr
     for _, lines in streams:
         assert lines[-1] == "data: [DONE]"
         assert '"error"' in lines[-2] and "shut down" in lines[-2]

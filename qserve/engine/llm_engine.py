@@ -16,7 +16,7 @@ from qserve.engine.model_runner import KVCacheSpec, ModelRunner, SampledToken
 from qserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from qserve.engine.request import Request, RequestStatus
 from qserve.engine.sampler import Logprobs, make_generator
-from qserve.engine.sampling_params import SamplingParams
+from qserve.engine.sampling_params import RequestOutputKind, SamplingParams
 from qserve.engine.scheduler import Scheduler, SchedulerConfig
 from qserve.errors import QServeError
 from qserve.kernels import ops
@@ -51,6 +51,7 @@ class RequestState:
     prompt_token_ids: list[int]
     samples: list[SampleState]
     metrics: RequestMetrics
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     finished_samples: set[int] = field(default_factory=set)
     # each sample's last output with empty deltas; a step rebuilds only the samples it advanced
     idle_outputs: list[CompletionOutput] | None = None
@@ -189,6 +190,7 @@ class LLMEngine:
             prompt_ids,
             samples,
             RequestMetrics(arrival),
+            params.output_kind,
         )
         self.requests[request_id] = state
         for sample in samples:
@@ -282,6 +284,8 @@ class LLMEngine:
             if state.finished:
                 state.metrics.finished_time = now
                 self._forget(state)
+            elif state.output_kind == RequestOutputKind.FINAL_ONLY:
+                continue
             outputs.append(self._make_output(state, advanced))
         return outputs
 
@@ -307,13 +311,14 @@ class LLMEngine:
     ) -> RequestOutput:
         """The request's output: rebuilt for the `advanced` samples (all when None), the others
         as they were with empty deltas (with n = 128, most samples wait while a few run)."""
+        delta = state.output_kind == RequestOutputKind.DELTA
         if state.idle_outputs is None or advanced is None:
-            outputs = [self._completion(s) for s in state.samples]
+            outputs = [self._completion(s, delta) for s in state.samples]
             state.idle_outputs = [s.unchanged or o for s, o in zip(state.samples, outputs)]
         else:
             outputs = list(state.idle_outputs)
             for sample in advanced:
-                outputs[sample.index] = self._completion(sample)
+                outputs[sample.index] = self._completion(sample, delta)
                 state.idle_outputs[sample.index] = sample.unchanged or outputs[sample.index]
         return RequestOutput(
             request_id=state.request_id,
@@ -322,26 +327,41 @@ class LLMEngine:
             outputs=outputs,
             finished=state.finished,
             metrics=replace(state.metrics),  # a snapshot: the engine keeps updating its own
+            delta=delta,
         )
 
     @staticmethod
-    def _completion(sample: SampleState) -> CompletionOutput:
+    def _completion(sample: SampleState, delta: bool = False) -> CompletionOutput:
+        """The sample's output now: cumulative, or (`delta`) only what is new, which costs
+        the same at token 4000 as at token 10."""
         request, detok = sample.request, sample.detokenizer
         finished = request.is_finished
         last = sample.unchanged
         if last is not None and last.finished == finished:
             if request.num_output_tokens == sample.num_sent_tokens:
                 return last
-        token_ids = list(request.output_token_ids)
-        delta_ids = token_ids[sample.num_sent_tokens :]
-        sample.num_sent_tokens = len(token_ids)
+        start, end = sample.num_sent_tokens, request.num_output_tokens
+        delta_ids = request.output_token_ids[start:end]
+        delta_text = detok.get_next_output_text(finished, delta=True)
+        logprobs = sample.logprobs
+        sample.num_sent_tokens = end
+        if delta:
+            output = CompletionOutput(
+                sample.index, delta_text, delta_ids, delta_text, delta_ids,
+                None if logprobs is None else logprobs[start:end],
+                request.get_finished_reason(), request.stop_reason,
+            )  # fmt: skip
+            empty = [] if logprobs is not None else None
+            sample.unchanged = replace(output, text="", token_ids=[], delta_text="",
+                                       delta_token_ids=[], logprobs=empty)  # fmt: skip
+            return output
         output = CompletionOutput(
             index=sample.index,
             text=detok.get_next_output_text(finished, delta=False),
-            token_ids=token_ids,
-            delta_text=detok.get_next_output_text(finished, delta=True),
+            token_ids=list(request.output_token_ids),
+            delta_text=delta_text,
             delta_token_ids=delta_ids,
-            logprobs=list(sample.logprobs) if sample.logprobs is not None else None,
+            logprobs=list(logprobs) if logprobs is not None else None,
             finish_reason=request.get_finished_reason(),
             stop_reason=request.stop_reason,
         )

@@ -39,21 +39,68 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics
+    # DELTA outputs: each CompletionOutput's text, token_ids and logprobs are only what is new
+    delta: bool = False
 
 
 def coalesce(older: RequestOutput, newer: RequestOutput) -> RequestOutput:
     """One output that says what `older` then `newer` said: the newer one, with the older one's
-    deltas in front of its own. A reader that fell behind gets this instead of a backlog, so a
-    stream buffers at most one output however slowly its client reads."""
+    deltas in front of its own (for DELTA outputs, its text, token ids and logprobs too). A
+    reader that fell behind gets this instead of a backlog, so a stream buffers at most one
+    output however slowly its client reads."""
     deltas = {c.index: c for c in older.outputs}
     outputs = []
     for c in newer.outputs:
         before = deltas.get(c.index)
         if before is not None and (before.delta_text or before.delta_token_ids):
-            c = replace(
-                c,
-                delta_text=before.delta_text + c.delta_text,
-                delta_token_ids=before.delta_token_ids + c.delta_token_ids,
-            )
+            c = _joined(before, c, newer.delta)
         outputs.append(c)
     return replace(newer, outputs=outputs)
+
+
+def _joined(before: CompletionOutput, c: CompletionOutput, delta: bool) -> CompletionOutput:
+    joined = replace(
+        c,
+        delta_text=before.delta_text + c.delta_text,
+        delta_token_ids=before.delta_token_ids + c.delta_token_ids,
+    )
+    if not delta:
+        return joined
+    logprobs = None if c.logprobs is None else (before.logprobs or []) + c.logprobs
+    return replace(
+        joined, text=joined.delta_text, token_ids=joined.delta_token_ids, logprobs=logprobs
+    )
+
+
+class OutputAccumulator:
+    """Adds up a DELTA request's outputs into the cumulative final one, in O(its length)."""
+
+    def __init__(self) -> None:
+        self._texts: dict[int, list[str]] = {}
+        self._token_ids: dict[int, list[int]] = {}
+        self._logprobs: dict[int, list[Logprobs] | None] = {}
+        self._last: RequestOutput | None = None
+
+    def add(self, output: RequestOutput) -> None:
+        for c in output.outputs:
+            self._texts.setdefault(c.index, []).append(c.text)
+            self._token_ids.setdefault(c.index, []).extend(c.token_ids)
+            if c.logprobs is not None:
+                self._logprobs.setdefault(c.index, []).extend(c.logprobs)  # type: ignore[union-attr]
+        self._last = output
+
+    def result(self) -> RequestOutput:
+        last = self._last
+        assert last is not None, "no output to add up"
+        if not last.delta:
+            return last
+        outputs = [
+            replace(
+                c,
+                text="".join(self._texts[c.index]),
+                token_ids=self._token_ids[c.index],
+                logprobs=self._logprobs.get(c.index, []) if c.logprobs is not None else None,
+            )
+            for c in last.outputs
+        ]
+        return replace(last, outputs=outputs, delta=False)

@@ -20,6 +20,14 @@ class SamplingType(enum.IntEnum):
     RANDOM_SEED = 2
 
 
+class RequestOutputKind(enum.IntEnum):
+    """What each of a request's outputs holds (vLLM's names)."""
+
+    CUMULATIVE = 0  # all text, token ids and logprobs so far (LLM.generate)
+    DELTA = 1  # only what is new since the previous output: no step copies the history
+    FINAL_ONLY = 2  # one output, when the request finishes
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How one request picks its tokens and when it stops.
@@ -46,6 +54,7 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop", _normalize_stop(self.stop))

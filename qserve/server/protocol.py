@@ -10,7 +10,7 @@ from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from qserve.engine.sampling_params import SamplingParams
+from qserve.engine.sampling_params import RequestOutputKind, SamplingParams
 from qserve.errors import QServeError
 
 # Most samples one request may ask for: n beyond this is surely a mistake, and costs memory.
@@ -140,6 +140,8 @@ class SamplingRequest(OpenAIModel):
             logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
+            # the server streams what is new, and adds it up for a whole response
+            output_kind=RequestOutputKind.DELTA,
         )
 
     def _check_unsupported(self) -> None:

@@ -110,7 +110,8 @@ class OpenAIServingChat(OpenAIServing):
                         yield sse(self._envelope(request_id, request, [chunk]))
                     final = output if output.finished else final
             if request.include_usage and final is not None:
-                yield sse({**self._envelope(request_id, request, []), "usage": usage([final])})
+                counts = usage([final], completion_tokens=sum(sent_tokens))
+                yield sse({**self._envelope(request_id, request, []), "usage": counts})
         except Exception as exc:  # the client gets an error event, never a hung stream
             yield sse(error_payload(exc))
         finally:
@@ -129,16 +130,15 @@ class OpenAIServingChat(OpenAIServing):
         for c in output.outputs:
             if finished[c.index]:
                 continue
-            chunk = self._chunk(request, c, sent_tokens[c.index])
-            sent_tokens[c.index], finished[c.index] = len(c.token_ids), c.finished
+            chunk = self._chunk(request, c)
+            sent_tokens[c.index] += len(c.token_ids)  # a DELTA output: the new tokens
+            finished[c.index] = c.finished
             if chunk is not None:
                 chunks.append(chunk)
         return chunks
 
-    def _chunk(
-        self, request: ChatCompletionRequest, c: CompletionOutput, num_sent_tokens: int
-    ) -> Json | None:
-        new_entries = (c.logprobs or [])[num_sent_tokens:]
+    def _chunk(self, request: ChatCompletionRequest, c: CompletionOutput) -> Json | None:
+        new_entries = c.logprobs or []
         logprobs = (
             self._logprobs(new_entries, request.top_logprobs or 0)
             if c.logprobs is not None

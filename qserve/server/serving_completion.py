@@ -36,7 +36,7 @@ class _ChoiceState:
 
     def update(self, completion: CompletionOutput, text_offset: int) -> None:
         self.started = True
-        self.num_tokens = len(completion.token_ids)
+        self.num_tokens += len(completion.token_ids)  # a DELTA output: the new tokens
         self.text_offset = text_offset
         self.finished = completion.finished
 
@@ -138,7 +138,9 @@ class OpenAIServingCompletion(OpenAIServing):
                         yield sse(self._envelope(request_id, request, [chunk]))
             if request.include_usage:
                 final = [state.final[i] for i in sorted(state.final)]
-                yield sse({**self._envelope(request_id, request, []), "usage": usage(final)})
+                sent = sum(choice.num_tokens for choice in state.choices.values())
+                counts = usage(final, completion_tokens=sent)
+                yield sse({**self._envelope(request_id, request, []), "usage": counts})
         except Exception as exc:  # the client gets an error event, never a hung stream
             yield sse(error_payload(exc))
         finally:
@@ -175,7 +177,7 @@ class OpenAIServingCompletion(OpenAIServing):
         if request.echo and not sent.started:
             echoed = self._prompt_text(prompt)
             text, offset = echoed + text, len(echoed)
-        new_entries = (completion.logprobs or [])[sent.num_tokens :]
+        new_entries = completion.logprobs or []
         logprobs, offset = self._logprobs(
             new_entries if completion.logprobs is not None else None, request.logprobs, offset
         )

@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from qserve.engine.outputs import RequestOutput
+from qserve.engine.outputs import OutputAccumulator, RequestOutput
 from qserve.engine.sampling_params import SamplingParams
 from qserve.server.async_engine import AsyncLLMEngine, EngineDeadError, RequestStream
 from qserve.server.limits import RequestLimits
@@ -160,11 +160,11 @@ async def collect(streams: list[RequestStream]) -> list[RequestOutput]:
 
 
 async def _last(stream: RequestStream) -> RequestOutput:
-    last = None
+    """The request's whole output, added up from its (DELTA) outputs."""
+    total = OutputAccumulator()
     async for output in stream:
-        last = output
-    assert last is not None
-    return last
+        total.add(output)
+    return total.result()
 
 
 async def merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
@@ -200,9 +200,12 @@ async def merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Reques
         close_all(streams)
 
 
-def usage(outputs: list[RequestOutput]) -> Json:
+def usage(outputs: list[RequestOutput], completion_tokens: int | None = None) -> Json:
+    """OpenAI's usage of whole `outputs`; a stream, whose last outputs are deltas, gives the
+    completion tokens it counted."""
     prompt_tokens = sum(len(o.prompt_token_ids) for o in outputs)
-    completion_tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    if completion_tokens is None:
+        completion_tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,

@@ -3,6 +3,8 @@ options end to end, prefix sharing, aborts."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -237,3 +239,37 @@ def test_a_failed_step_leaves_no_unwritten_block_in_the_prefix_cache(model_dir, 
     engine.model_runner.execute_model = real
     assert_all_blocks_free(llm)
     assert token_ids(llm, [prompts[7]]) == [expected[7]]
+
+
+def _outputs(llm, prompt, params) -> list:
+    engine = llm.engine
+    engine.add_request("r", prompt, params)
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    return outputs
+
+
+@pytest.mark.parametrize("stop", [None, ["the"]])
+def test_delta_and_final_only_outputs_add_up_to_the_cumulative_one(model_dir, prompts, stop):
+    from qserve.engine.outputs import OutputAccumulator
+    from qserve.engine.sampling_params import RequestOutputKind
+
+    llm = make_llm(model_dir)
+    params = SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=30, logprobs=2, stop=stop)
+    cumulative = _outputs(llm, prompts[3], params)
+    deltas = _outputs(
+        llm, prompts[3], dataclasses.replace(params, output_kind=RequestOutputKind.DELTA)
+    )
+    final_only = _outputs(
+        llm, prompts[3], dataclasses.replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
+    )
+    assert len(final_only) == 1 and len(deltas) == len(cumulative) > 1
+    total = OutputAccumulator()
+    for output in deltas:
+        assert output.delta and all(len(c.token_ids) <= 1 for c in output.outputs)  # per step
+        total.add(output)
+    for got in (total.result(), final_only[0]):
+        for c, want in zip(got.outputs, cumulative[-1].outputs):
+            assert (c.text, c.token_ids, c.logprobs, c.finish_reason) == (
+                want.text, want.token_ids, want.logprobs, want.finish_reason)  # fmt: skip

@@ -89,11 +89,16 @@ def tiny_engine(model_dir: Path, **overrides: object) -> LLMEngine:
 
 
 @contextmanager
-def running_server(engine: LLMEngine, **config: object) -> Iterator[RunningServer]:
-    """uvicorn serving build_app(engine) in a thread on a socket bound to 127.0.0.1:0."""
+def running_server(
+    engine: LLMEngine, send_buffer: int | None = None, **config: object
+) -> Iterator[RunningServer]:
+    """uvicorn serving build_app(engine) in a thread on a socket bound to 127.0.0.1:0
+    (`send_buffer`: the SO_SNDBUF its connections inherit, to fill up quickly)."""
     server_config = ServerConfig(served_model_name=MODEL_NAME, log_level="warning", **config)
     app = build_app(engine, server_config)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    if send_buffer is not None:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
     uv = make_uvicorn_server(app, server_config)

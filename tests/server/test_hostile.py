@@ -231,9 +231,9 @@ def test_slow_readers_are_cut_off_and_hold_one_output_each(tiny_model_dir: Path)
     (not one per step), and after --stream-timeout the server closes the connection before
     [DONE]; every block is back in the pool."""
     engine = tiny_engine(tiny_model_dir, max_num_seqs=64)
-    with running_server(engine, stream_timeout=1.0) as server:
-        # ~10 MB of chunks each, more than the sockets' buffers hold
-        body = {"prompt": "Call me Ishmael.", "max_tokens": 480, "n": 32, "logprobs": 20,
+    with running_server(engine, send_buffer=4096, stream_timeout=1.0) as server:
+        # ~2 MB of chunks each, far more than the (small) socket buffers hold
+        body = {"prompt": "Call me Ishmael.", "max_tokens": 480, "n": 8, "logprobs": 5,
                 "ignore_eos": True, "stream": True}  # fmt: skip
         readers = [_open_unread_stream(server, body) for _ in range(2)]
         try:

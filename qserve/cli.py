@@ -6,6 +6,7 @@ import json
 import logging
 import sys
 from collections.abc import Callable
+from dataclasses import fields
 from typing import Any
 
 import click
@@ -123,6 +124,34 @@ def engine_options(func: Callable[..., Any]) -> Callable[..., Any]:
     ]
     for option in reversed(options):
         func = option(func)
+    return func
+
+
+class _Bytes(click.ParamType):
+    """A size such as 8MiB, 512MB or 1048576 (bytes)."""
+
+    name = "size"
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> int:
+        from qserve.config import parse_memory
+
+        try:
+            return value if isinstance(value, int) else parse_memory(value)
+        except QServeError as exc:
+            self.fail(str(exc), param, ctx)
+
+
+def limit_options(func: Callable[..., Any]) -> Callable[..., Any]:
+    """`qserve serve`'s request limits, one option per RequestLimits field (flag, help and
+    default from the field), so a new limit is written once."""
+    from qserve.server.limits import RequestLimits
+
+    types = {"count": click.IntRange(1), "bytes": _Bytes()}
+    for f in reversed(fields(RequestLimits)):
+        meta = f.metadata
+        shown = f"{f.default // 2**20}MiB" if meta["kind"] == "bytes" else True
+        func = click.option(meta["flag"], f.name, default=f.default, show_default=shown,
+                            type=types[meta["kind"]], help=meta["help"])(func)  # fmt: skip
     return func
 
 
@@ -282,40 +311,7 @@ def _as_dict(out: Any) -> dict[str, Any]:
     type=click.IntRange(0),
     help="Sequences (prompts x n) admitted beyond --max-num-seqs; more get 429 with Retry-After.",
 )
-@click.option(
-    "--max-request-body",
-    default="8MiB",
-    show_default=True,
-    help="Largest request body (e.g. 8MiB); a larger one gets 413.",
-)
-@click.option(
-    "--max-prompts-per-request",
-    default=256,
-    show_default=True,
-    type=click.IntRange(1),
-    help="Prompts in one /v1/completions request.",
-)
-@click.option(
-    "--max-seqs-per-request",
-    default=256,
-    show_default=True,
-    type=click.IntRange(1),
-    help="Sequences (prompts x n) one request may ask for.",
-)
-@click.option(
-    "--max-stop-strings",
-    default=64,
-    show_default=True,
-    type=click.IntRange(1),
-    help="Stop strings in one request.",
-)
-@click.option(
-    "--max-stop-chars",
-    default=4096,
-    show_default=True,
-    type=click.IntRange(1),
-    help="Characters of all of a request's stop strings together.",
-)
+@limit_options
 @click.option(
     "--max-tokens-default",
     default=None,
@@ -347,24 +343,18 @@ def serve(
     special_tokens_in_content: bool,
     served_model_name: str | None,
     max_queue: int,
-    max_request_body: str,
-    max_prompts_per_request: int,
-    max_seqs_per_request: int,
-    max_stop_strings: int,
-    max_stop_chars: int,
     max_tokens_default: int | None,
     stream_timeout: float,
     drain_timeout: float,
     **engine_kw: Any,
 ) -> None:
     """Serve MODEL behind an OpenAI-compatible HTTP API (MODEL defaults to smollm2-135m)."""
-    from qserve.config import parse_memory
     from qserve.engine.llm_engine import LLMEngine
     from qserve.model.builtin import DEFAULT_MODEL
+    from qserve.server.limits import RequestLimits
 
     try:
         from qserve.server.api_server import ServerConfig, run_server
-        from qserve.server.limits import RequestLimits
     except ImportError as exc:
         if (exc.name or "").startswith("qserve"):
             raise
@@ -383,13 +373,7 @@ def serve(
         max_queue=max_queue,
         drain_timeout=drain_timeout,
         stream_timeout=stream_timeout,
-        limits=RequestLimits(
-            max_body_bytes=parse_memory(max_request_body),
-            max_prompts=max_prompts_per_request,
-            max_seqs=max_seqs_per_request,
-            max_stop_strings=max_stop_strings,
-            max_stop_chars=max_stop_chars,
-        ),
+        limits=RequestLimits(**{f.name: engine_kw.pop(f.name) for f in fields(RequestLimits)}),
         max_tokens_default=max_tokens_default,
     )
     engine = LLMEngine(engine_config(**engine_kw))

@@ -164,3 +164,15 @@ def test_an_unforeseen_error_is_one_line_unless_verbose(monkeypatch) -> None:
     result = CliRunner().invoke(cli, ["recipes", "list"])
     assert result.exit_code == 1
     assert result.output == "error: RuntimeError: something nobody planned for (-v shows where)\n"
+
+
+def test_serve_limit_options_come_from_request_limits() -> None:
+    from dataclasses import fields
+
+    from qserve.server.limits import RequestLimits
+
+    help_text = CliRunner().invoke(cli, ["serve", "--help"], terminal_width=200).output
+    for f in fields(RequestLimits):
+        assert f.metadata["flag"] in help_text and f.metadata["help"] in help_text
+    bad = CliRunner().invoke(cli, ["serve", "--max-request-body", "8gigs"])
+    assert bad.exit_code == 2 and "cannot read memory size '8gigs'" in bad.output

@@ -9,24 +9,39 @@ context). The queue itself counts sequences (`AsyncLLMEngine`), not HTTP request
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-from starlette.requests import Request
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 from qserve.engine.sampling_params import SamplingParams
 from qserve.errors import QServeError
 from qserve.server.protocol import APIError
 
+if TYPE_CHECKING:  # the CLI builds its options from RequestLimits without the server packages
+    from starlette.requests import Request
+
 MIB = 2**20
+
+
+def _limit(default: int, flag: str, help: str, kind: str = "count") -> Any:
+    """A limit's field; its `qserve serve` option is made from this metadata (cli.py)."""
+    return field(default=default, metadata={"flag": flag, "help": help, "kind": kind})
 
 
 @dataclass(frozen=True)
 class RequestLimits:
-    max_body_bytes: int = 8 * MIB
-    max_prompts: int = 256  # prompts in one /v1/completions request
-    max_seqs: int = 256  # prompts x n in one request
-    max_stop_strings: int = 64
-    max_stop_chars: int = 4096  # all stop strings of a request together
+    max_body_bytes: int = _limit(
+        8 * MIB, "--max-request-body", "Largest request body (e.g. 8MiB); larger gets 413.", "bytes"
+    )
+    max_prompts: int = _limit(
+        256, "--max-prompts-per-request", "Prompts in one /v1/completions request."
+    )
+    max_seqs: int = _limit(
+        256, "--max-seqs-per-request", "Sequences (prompts x n) one request may ask for."
+    )
+    max_stop_strings: int = _limit(64, "--max-stop-strings", "Stop strings in one request.")
+    max_stop_chars: int = _limit(
+        4096, "--max-stop-chars", "Characters of all of a request's stop strings together."
+    )
 
     def __post_init__(self) -> None:
         for name, value in vars(self).items():

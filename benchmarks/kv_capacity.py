@@ -126,7 +126,7 @@ def simulate(requests: list[BenchRequest], spec: KVCacheSpec, max_model_len: int
         if out.is_empty:
             sim.stuck = True
             break
-        sampled = {s.request.request_id: 0 for s in out.scheduled if s.samples}
+        sampled = {s.request.request_id: 0 for s in out.scheduled if s.needs_logits}
         scheduler.update_from_output(out, sampled)
         sim.trace.append(step_state(scheduler))
     return sim

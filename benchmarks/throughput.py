@@ -161,8 +161,8 @@ def sample_kv(engine: Any) -> KVSample:
     stats = engine.get_stats()
     running = engine.scheduler.running
     return KVSample(
-        live=int(stats["kv_live_slots"]),
-        allocated=int(stats["kv_allocated_slots"]),
+        live=stats.kv_live_slots,
+        allocated=stats.kv_allocated_slots,
         reserved_request=sum(r.num_prompt_tokens + r.sampling_params.max_tokens for r in running),
         reserved_max_len=len(running) * engine.max_model_len,
     )
@@ -177,8 +177,8 @@ def qserve_extra(
         "median_step_ms": 1e3 * statistics.median(step_times),
         "max_model_len": engine.max_model_len,
         "kv_cache_tokens": engine.model_runner.kv_spec.num_tokens,
-        "num_preemptions": int(stats["num_preemptions"] - start_stats["num_preemptions"]),
-        "prefix_cache_hit_rate": stats["prefix_cache_hit_rate"],
+        "num_preemptions": stats.num_preemptions - start_stats.num_preemptions,
+        "prefix_cache_hit_rate": stats.prefix_cache_hit_rate,
         "kv": kv_summary(samples),
     }
 

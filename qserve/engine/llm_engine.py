@@ -18,6 +18,7 @@ from qserve.engine.request import Request, RequestStatus
 from qserve.engine.sampler import Logprobs, make_generator
 from qserve.engine.sampling_params import RequestOutputKind, SamplingParams
 from qserve.engine.scheduler import Scheduler, SchedulerConfig
+from qserve.engine.stats import EngineStats
 from qserve.errors import QServeError
 from qserve.kernels import ops
 from qserve.kernels.attention_ref import is_fp8
@@ -370,17 +371,17 @@ class LLMEngine:
 
     # -- stats ---------------------------------------------------------------------------------
 
-    def get_stats(self) -> dict[str, float]:
+    def get_stats(self) -> EngineStats:
         kv = self.scheduler.kv_cache_manager
         live_slots, allocated_slots = kv.slot_usage(self.scheduler.running)
-        return {
-            "kv_live_slots": live_slots,
-            "kv_allocated_slots": allocated_slots,
-            "num_running": len(self.scheduler.running),
-            "num_waiting": len(self.scheduler.waiting),
-            "kv_cache_usage": kv.usage,
-            "num_free_blocks": kv.block_pool.get_num_free_blocks(),
-            "num_blocks": kv.block_pool.num_blocks,
-            "prefix_cache_hit_rate": kv.prefix_cache_stats.hit_rate,
-            "num_preemptions": self.scheduler.num_preemptions,
-        }
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            kv_cache_usage=kv.usage,
+            kv_live_slots=live_slots,
+            kv_allocated_slots=allocated_slots,
+            num_free_blocks=kv.block_pool.get_num_free_blocks(),
+            num_blocks=kv.block_pool.num_blocks,
+            prefix_cache_hit_rate=kv.prefix_cache_stats.hit_rate,
+            num_preemptions=self.scheduler.num_preemptions,
+        )

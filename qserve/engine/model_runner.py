@@ -108,7 +108,7 @@ class ModelRunner:
         slot_mapping = block_tables[seq_idx, pos // bs].to(torch.int64) * bs + pos % bs
         query_start_loc = torch.zeros(len(scheduled) + 1, dtype=torch.int32)
         query_start_loc[1:] = torch.cumsum(torch.tensor(query_lens), 0)
-        rows = [i for i, s in enumerate(scheduled) if s.samples]
+        rows = [i for i, s in enumerate(scheduled) if s.needs_logits]
         md = AttentionMetadata(
             slot_mapping=slot_mapping.to(self.device),
             block_tables=block_tables.to(self.device),

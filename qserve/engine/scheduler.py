@@ -39,7 +39,7 @@ class ScheduledRequest:
     block_ids: list[int]
 
     @property
-    def samples(self) -> bool:
+    def needs_logits(self) -> bool:
         """True when this step reaches the end of the known tokens, so its logits are used."""
         return self.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
 

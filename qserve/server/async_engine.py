@@ -23,7 +23,6 @@ import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from qserve.engine.llm_engine import LLMEngine
@@ -50,33 +49,6 @@ class QueueFullError(RuntimeError):
 
 class ContextLengthError(QServeError):
     """Prompt (plus max_tokens) longer than the model's context."""
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    """A snapshot taken by the engine thread after each step; read by /metrics."""
-
-    num_running: int = 0
-    num_waiting: int = 0
-    kv_cache_usage: float = 0.0
-    prefix_cache_hit_rate: float = 0.0
-    num_preemptions: int = 0
-    num_free_blocks: int = 0
-    num_blocks: int = 0
-
-    @classmethod
-    def read(cls, engine: LLMEngine) -> EngineStats:
-        stats = engine.get_stats()
-        pool = engine.scheduler.kv_cache_manager.block_pool
-        return cls(
-            num_running=int(stats["num_running"]),
-            num_waiting=int(stats["num_waiting"]),
-            kv_cache_usage=float(stats["kv_cache_usage"]),
-            prefix_cache_hit_rate=float(stats["prefix_cache_hit_rate"]),
-            num_preemptions=int(stats["num_preemptions"]),
-            num_free_blocks=pool.get_num_free_blocks(),
-            num_blocks=pool.num_blocks,
-        )
 
 
 class StepObserver:
@@ -147,7 +119,7 @@ class AsyncLLMEngine:
         self.max_num_seqs = max_num_seqs  # sequences in flight, running or waiting
         self.observer = observer or StepObserver()
         self.tokenizer = TokenizerWorker(engine.tokenizer)
-        self.stats = EngineStats.read(engine)
+        self.stats = engine.get_stats()
         self._inbox: queue.SimpleQueue[EngineCall | None] = queue.SimpleQueue()
         self._streams: dict[str, RequestStream] = {}  # touched on the loop thread only
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -268,10 +240,10 @@ class AsyncLLMEngine:
                 self._drain_inbox(block=not self.engine.has_unfinished_requests())
                 if not self._stopping and self.engine.has_unfinished_requests():
                     self._step()
-                self.stats = EngineStats.read(self.engine)
+                self.stats = self.engine.get_stats()
         finally:  # stopped, or died: no stream may wait for outputs that will never come
             self._abort_all()
-            self.stats = EngineStats.read(self.engine)
+            self.stats = self.engine.get_stats()
             self._post(self._fail_all, EngineDeadError("the engine stopped"))
 
     def _drain_inbox(self, block: bool) -> None:

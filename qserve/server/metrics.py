@@ -19,7 +19,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from qserve.engine.outputs import RequestOutput
-from qserve.server.async_engine import EngineStats, StepObserver
+from qserve.engine.stats import EngineStats
+from qserve.server.async_engine import StepObserver
 
 logger = logging.getLogger("qserve")
 

@@ -20,7 +20,9 @@ def make_request(request_id: str, num_prompt: int, max_tokens: int = 8, first: i
 
 def step(s: Scheduler, token: int = 1) -> dict[str, int]:
     out = s.schedule()
-    s.update_from_output(out, {x.request.request_id: token for x in out.scheduled if x.samples})
+    s.update_from_output(
+        out, {x.request.request_id: token for x in out.scheduled if x.needs_logits}
+    )
     return {x.request.request_id: x.num_new_tokens for x in out.scheduled}
 
 

@@ -11,22 +11,14 @@ bytes of fp32.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
+
+from qserve.platform import native_half_matmul
 
 HALF_DTYPES = (torch.bfloat16, torch.float16)
 UPCAST_MIN_ROWS = 4  # measured crossover on an AVX2 EPYC: 2-4 rows (lm_head and MLP shapes)
 CHUNK_BYTES = 2 << 20  # fp32 weight rows converted at a time (fits in L2/L3)
-
-
-@functools.cache
-def native_half_matmul() -> bool:
-    """AMX tiles or AVX-512 BF16: where oneDNN runs 16-bit matmuls faster than fp32."""
-    cpu = torch.cpu
-    checks = ("_is_amx_tile_supported", "_is_avx512_bf16_supported")
-    return any(getattr(cpu, name, lambda: False)() for name in checks)
 
 
 def use_upcast(x: torch.Tensor) -> bool:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from qserve.errors import QServeError
+from qserve.platform import native_half_matmul
 
 if TYPE_CHECKING:  # torch is imported lazily so that recipes and the CLI start fast
     import torch
@@ -38,13 +39,6 @@ def parse_memory(text: str | int) -> int:
     if m is None or unit not in _UNITS:
         raise QServeError(f"cannot read memory size {text!r}; expected e.g. 2GiB, 512MiB, 1GB")
     return int(float(m.group(1)) * _UNITS[unit])
-
-
-def cpu_has_native_bf16() -> bool:
-    """AMX tiles or AVX-512 BF16: where oneDNN runs bf16 matmuls faster than fp32."""
-    from qserve.kernels.cpu_dense import native_half_matmul
-
-    return native_half_matmul()
 
 
 @dataclass(frozen=True)
@@ -89,7 +83,7 @@ class EngineConfig:
             return getattr(torch, self.dtype)
         if self.device.startswith("cuda"):
             return torch.float16 if checkpoint_dtype == torch.float16 else torch.bfloat16
-        return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+        return torch.bfloat16 if native_half_matmul() else torch.float32
 
     def kv_torch_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
         import torch

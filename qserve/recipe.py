@@ -16,10 +16,9 @@ This module imports no torch; only `detect_hardware` does, inside the function.
 from __future__ import annotations
 
 import json
-import os
 import re
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -28,6 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from qserve.config import parse_memory
 from qserve.errors import QServeError
+from qserve.platform import Hardware, detect_hardware
 
 if TYPE_CHECKING:
     import click
@@ -414,55 +414,6 @@ def contradictions(spec: RecipeSpec) -> list[tuple[str, str]]:
 
 
 # ---------------------------------------------------------------------------- hardware
-
-
-@dataclass(frozen=True)
-class Hardware:
-    device: str  # cuda | cpu
-    name: str  # GPU name, or the CPU's
-    memory: int  # bytes: GPU memory (cuda) or RAM (cpu)
-    compute_capability: float | None = None
-    cpu_features: frozenset[str] = field(default_factory=frozenset)
-
-    def describe(self) -> str:
-        cc = f", compute capability {self.compute_capability}" if self.compute_capability else ""
-        feats = f", {'+'.join(sorted(self.cpu_features))}" if self.cpu_features else ""
-        return f"{self.device}: {self.name}, {self.memory / 2**30:.1f} GiB{cc}{feats}"
-
-
-def detect_hardware() -> Hardware:
-    """GPU 0 via torch when CUDA is available, else this CPU and its RAM."""
-    import torch
-
-    if torch.cuda.is_available():
-        props = torch.cuda.get_device_properties(0)
-        cc = float(f"{props.major}.{props.minor}")
-        return Hardware("cuda", props.name, props.total_memory, cc)
-    return Hardware("cpu", _cpu_name(), _ram_bytes(), None, _cpu_features())
-
-
-def _cpu_features() -> frozenset[str]:
-    import torch
-
-    from qserve.config import cpu_has_native_bf16
-
-    capability = torch.backends.cpu.get_cpu_capability().lower()  # default | avx2 | avx512
-    features = {"avx2", "avx512"} if capability == "avx512" else {capability} & {"avx2"}
-    return frozenset(features | ({"bf16"} if cpu_has_native_bf16() else set()))
-
-
-def _ram_bytes() -> int:
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "cpu"
 
 
 def unmet_requirements(req: Requires, hw: Hardware) -> list[str]:

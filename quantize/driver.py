@@ -49,6 +49,7 @@ from safetensors.torch import save_file
 from torch import Tensor, nn
 
 from qserve.errors import QServeError
+from qserve.platform import resolve_device
 from qserve.quantize import export, offload
 from qserve.quantize import output_dir as output_dir_rules
 from qserve.quantize.arch import ArchSpec, ScaleMapping, arch_spec
@@ -378,24 +379,6 @@ def _calibration_model(
     with offload.offload_folder(offload_dir, output_dir) as folder:
         model = offload.empty_model(model_path, checkpoint, spec.blocks)
         yield model, BlockOffload(model, spec.blocks, checkpoint, folder, settings, dtype)
-
-
-def resolve_device(device: str | None = None) -> torch.device:
-    """The working device of calibration: `device`, or cuda when available, else cpu.
-
-    One that this machine lacks is refused here, before any work."""
-    if device is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if not re.fullmatch(r"cpu|cuda(:\d+)?", device):
-        raise QServeError(f"device must be cpu, cuda or cuda:N, got {device!r}", "device")
-    working = torch.device(device)
-    if working.type == "cuda":
-        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if count == 0:
-            raise QServeError(f"device {device}: CUDA is not available on this machine", "device")
-        if (working.index or 0) >= count:
-            raise QServeError(f"device {device}: this machine has {count} CUDA device(s)", "device")
-    return working
 
 
 def check_group_size(model: nn.Module, spec: ArchSpec, settings: QuantizeSettings) -> None:

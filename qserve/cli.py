@@ -560,7 +560,7 @@ def quantize(
     from qserve.model.builtin import DEFAULT_MODEL
     from qserve.model.resolve import resolve_model
     from qserve.quantize.driver import quantize_model
-    from qserve.recipe import write_provenance
+    from qserve.recipe import provenance
 
     hf_logging.disable_progress_bar()  # ours shows blocks done and time left
     kw = _with_recipe(dict(kw, method=method, bits=bits, calib_data=calib_data), "quantize")
@@ -575,9 +575,9 @@ def quantize(
         output,
         progress=None if quiet else _progress_bar,
         model_name=model or DEFAULT_MODEL,
+        provenance=provenance(recipe, kw),
         **kw,
     )
-    write_provenance(folder, recipe, kw)
     if not quiet:
         click.echo("", err=True)
     click.echo(f"wrote {folder} ({kw['method']}, {time.monotonic() - start:.0f} s)")

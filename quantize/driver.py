@@ -38,9 +38,10 @@ import contextlib
 import copy
 import dataclasses
 import inspect
+import json
 import re
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -251,11 +252,14 @@ def quantize_model(
     progress: Progress | None = None,
     offload_dir: str | Path | None = None,
     model_name: str | None = None,
+    provenance: Mapping[str, Any] | None = None,
 ) -> Path:
     """Quantize the HF model folder `model_path` into a checkpoint folder `output_dir`.
 
     `output_dir` None: `./<model_name>-<scheme>` in the current folder (`default_output_dir`;
-    `model_name` defaults to the name of `model_path`'s folder).
+    `model_name` defaults to the name of `model_path`'s folder). `provenance`: what made the
+    checkpoint (the CLI's recipe and options), written as PROVENANCE_FILE inside the checkpoint
+    before it is moved into place; by default the settings used.
 
     `group_size` "auto": the largest of 128, 64, 32 that divides every quantized linear's input
     size (128 for most models, 64 for SmolLM2's hidden size 576).
@@ -350,6 +354,9 @@ def quantize_model(
             if searched:  # replayable with --scales; a subfolder, so no loader takes it for weights
                 (tmp / SEARCH_FILE).parent.mkdir()
                 scales.save(tmp / SEARCH_FILE)
+            made_by = provenance or {"recipe": None, "effective": dataclasses.asdict(settings)}
+            text = json.dumps(made_by, indent=2, default=str) + "\n"
+            (tmp / export.PROVENANCE_FILE).write_text(text)
     return Path(output_dir)
 
 

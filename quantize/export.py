@@ -43,7 +43,11 @@ from qserve.errors import QServeError
 from qserve.kernels import packing
 from qserve.quantize.rtn import QuantizedWeight
 
+# What made a checkpoint (`qserve quantize`'s recipe and settings), written beside the weights
+PROVENANCE_FILE = "qserve_recipe.json"
+
 __all__ = [
+    "PROVENANCE_FILE",
     "gptq_tensors",
     "awq_tensors",
     "compressed_tensors",

@@ -26,7 +26,6 @@ from qserve.model.config import ModelConfig
 from qserve.model.loader import LoadReport, load_model, load_tokenizer
 from qserve.model.quant import activation_dtype
 from qserve.model.resolve import resolve_model
-from qserve.recipe import read_provenance
 
 logger = logging.getLogger("qserve")
 
@@ -139,7 +138,7 @@ class LLMEngine:
             self.max_model_len,
         )
         report = self.load_report
-        made_by = read_provenance(path)
+        made_by = report.provenance
         recipe = ""
         if made_by:
             named = f", recipe {made_by['recipe']}" if made_by.get("recipe") else ""

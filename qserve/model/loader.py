@@ -22,6 +22,7 @@ from qserve.model.config import ModelConfig
 from qserve.model.kv_scales import apply_kv_scales, pop_kv_scales
 from qserve.model.llama import LlamaForCausalLM
 from qserve.model.quant import keeps_stored_dtype, prepare_quant_linears, swap_quant_linears
+from qserve.quantize.export import PROVENANCE_FILE
 
 logger = logging.getLogger("qserve")
 
@@ -43,6 +44,7 @@ class LoadReport:
     num_kv_scaled_layers: int
     num_layers: int
     merged: tuple[str, ...] = ()
+    provenance: dict[str, Any] | None = None  # what made the checkpoint (qserve quantize)
 
     @property
     def has_kv_scales(self) -> bool:
@@ -76,8 +78,21 @@ def load_model(
         num_kv_scaled_layers=apply_kv_scales(model, kv_scales),
         num_layers=config.num_hidden_layers,
         merged=tuple(model.merge_projections()),
+        provenance=read_provenance(path),
     )
     return model.eval().requires_grad_(False), config
+
+
+def read_provenance(folder: Path) -> dict[str, Any] | None:
+    """What made the checkpoint in `folder` (qserve quantize's PROVENANCE_FILE), or None."""
+    path = folder / PROVENANCE_FILE
+    if not path.is_file():
+        return None
+    try:
+        made_by = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        raise QServeError(f"{path} is not readable JSON", param="model") from None
+    return made_by if isinstance(made_by, dict) else None
 
 
 def _warn_sliding_window(config: ModelConfig, path: Path) -> None:

@@ -10,6 +10,7 @@ import pytest
 from click.testing import CliRunner
 
 from qserve.cli import cli
+from qserve.errors import QServeError
 from qserve.quantize import output_dir
 from qserve.quantize.driver import QuantizeSettings, default_output_dir, quantize_model
 
@@ -148,3 +149,19 @@ def test_stale_staging_folders_of_dead_processes_are_removed(tmp_path: Path) -> 
     with output_dir.staging_dir(out) as tmp:
         (tmp / "config.json").write_text("{}")
     assert not dead.exists() and live.exists()
+
+
+def test_provenance_is_written_inside_the_checkpoint(tiny_llama: Path, tmp_path: Path) -> None:
+    """Part of the atomic rename, and written for Python callers too; the loader reads it."""
+    from qserve import recipe
+    from qserve.model.loader import read_provenance
+    from qserve.quantize.export import PROVENANCE_FILE
+
+    assert recipe.RECIPE_FILE == PROVENANCE_FILE
+    folder = quantize_model(tiny_llama, tmp_path / "q", "rtn", group_size=32)
+    made_by = read_provenance(folder)
+    assert made_by["recipe"] is None and made_by["effective"]["method"] == "rtn"
+    assert made_by["effective"]["group_size"] == 32
+    (folder / PROVENANCE_FILE).write_bytes(b"\xff")
+    with pytest.raises(QServeError, match="is not readable JSON"):
+        read_provenance(folder)

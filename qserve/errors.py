@@ -26,3 +26,7 @@ def read_user_text(path: str | os.PathLike[str], what: str, param: str | None = 
         raise QServeError(f"{what} {path} is not UTF-8 text (byte {exc.start})", param) from None
     except OSError as exc:
         raise QServeError(f"{what} {path}: cannot read it ({exc.strerror})", param) from None
+
+
+class ContextLengthError(QServeError):
+    """A prompt (with the output it asks for) longer than the model's context."""

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from qserve.config import EngineConfig
+from qserve.engine.context_length import check_context_length
 from qserve.engine.detokenizer import IncrementalDetokenizer
 from qserve.engine.kv_cache_manager import KVCacheManager
 from qserve.engine.model_runner import KVCacheSpec, ModelRunner, SampledToken
@@ -178,7 +179,7 @@ class LLMEngine:
         if request_id in self.requests:
             raise QServeError(f"request id {request_id!r} is already in use", param="request_id")
         prompt_ids = self.tokenize(prompt)
-        self._check_prompt(prompt_ids)
+        self._check_prompt(prompt_ids, params)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         samples = [
             self._new_sample(request_id, i, prompt_ids, params, arrival, cache_salt, group)
@@ -197,15 +198,10 @@ class LLMEngine:
             self._samples[sample.request.request_id] = (state, sample)
             self.scheduler.add_request(sample.request)
 
-    def _check_prompt(self, prompt_ids: list[int]) -> None:
+    def _check_prompt(self, prompt_ids: list[int], params: SamplingParams) -> None:
         if not prompt_ids:
             raise QServeError("the prompt is empty", param="prompt")
-        if len(prompt_ids) >= self.max_model_len:
-            raise QServeError(
-                f"the prompt has {len(prompt_ids)} tokens; this model's context is "
-                f"{self.max_model_len} tokens (max_model_len), prompt and output together",
-                param="prompt",
-            )
+        check_context_length(len(prompt_ids), params, self.max_model_len)
         vocab = self.model_config.vocab_size
         if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
             raise QServeError(f"prompt token ids must be in [0, {vocab})", param="prompt")

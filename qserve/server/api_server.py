@@ -22,10 +22,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from qserve.engine.llm_engine import LLMEngine
-from qserve.errors import QServeError
+from qserve.errors import ContextLengthError, QServeError
 from qserve.server.async_engine import (
     AsyncLLMEngine,
-    ContextLengthError,
     EngineDeadError,
     QueueFullError,
 )

@@ -25,6 +25,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
 
+from qserve.engine.context_length import check_context_length
 from qserve.engine.llm_engine import LLMEngine
 from qserve.engine.outputs import RequestOutput, coalesce
 from qserve.engine.sampling_params import SamplingParams
@@ -45,10 +46,6 @@ class EngineDeadError(RuntimeError):
 
 class QueueFullError(RuntimeError):
     """More sequences are in flight than the server admits (--max-queue)."""
-
-
-class ContextLengthError(QServeError):
-    """Prompt (plus max_tokens) longer than the model's context."""
 
 
 class StepObserver:
@@ -199,7 +196,7 @@ class AsyncLLMEngine:
         arrival = time.monotonic()
         try:
             prompt_ids = await self._tokenize(prompt, add_special_tokens)
-            check_context_length(len(prompt_ids), params, self.engine.max_model_len)
+            check_context_length(len(prompt_ids), params, self.engine.max_model_len, True)
             await self.call(
                 lambda engine: engine.add_request(
                     request_id, prompt_ids, params, arrival, cache_salt, group
@@ -313,32 +310,6 @@ class AsyncLLMEngine:
         streams, self._streams = self._streams, {}
         for stream in streams.values():
             stream.put(exc)
-
-
-def check_context_length(
-    num_prompt_tokens: int, params: SamplingParams, max_model_len: int
-) -> None:
-    """The prompt leaves room for max_tokens, and for min_tokens."""
-    max_tokens, min_tokens = params.max_tokens, params.min_tokens
-    if num_prompt_tokens >= max_model_len:
-        raise ContextLengthError(
-            f"This model's maximum context length is {max_model_len} tokens; the prompt has "
-            f"{num_prompt_tokens} tokens, which leaves no room for output.",
-            param="prompt",
-        )
-    if max_tokens is not None and num_prompt_tokens + max_tokens > max_model_len:
-        raise ContextLengthError(
-            f"This model's maximum context length is {max_model_len} tokens. However, you "
-            f"requested {num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the "
-            f"prompt, {max_tokens} for the completion). Please reduce the prompt or max_tokens.",
-            param="max_tokens",
-        )
-    if num_prompt_tokens + min_tokens > max_model_len:
-        raise ContextLengthError(
-            f"min_tokens={min_tokens} does not fit: the prompt has {num_prompt_tokens} tokens "
-            f"and this model's maximum context length is {max_model_len} tokens.",
-            param="min_tokens",
-        )
 
 
 def _set_result(future: asyncio.Future[T], result: T) -> None:

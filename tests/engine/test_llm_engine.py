@@ -10,7 +10,7 @@ import torch
 
 from qserve.engine.llm import LLM
 from qserve.engine.sampling_params import SamplingParams
-from qserve.errors import QServeError
+from qserve.errors import ContextLengthError, QServeError
 from tests.text import moby_dick
 from tests.tiny import byte_bpe_tokenizer, save_tiny_llama
 
@@ -203,10 +203,14 @@ def test_bad_prompts_are_rejected(model_dir):
     llm = make_llm(model_dir, max_model_len=64)
     with pytest.raises(QServeError, match="empty"):
         llm.engine.add_request("a", [], GREEDY)
-    with pytest.raises(QServeError, match="64"):
+    with pytest.raises(ContextLengthError, match="context length is 64 tokens; the prompt has 64"):
         llm.engine.add_request("b", list(range(64)), GREEDY)
     with pytest.raises(QServeError, match="token ids"):
         llm.engine.add_request("c", [10**6], GREEDY)
+    # min_tokens that cannot fit is refused; max_tokens beyond the context just stops there
+    with pytest.raises(ContextLengthError, match="min_tokens=60 does not fit"):
+        llm.engine.add_request("d", list(range(10)), SamplingParams(max_tokens=80, min_tokens=60))
+    llm.engine.add_request("e", list(range(10)), SamplingParams(max_tokens=80))
 
 
 def test_output_stops_at_max_model_len(model_dir, prompts):

@@ -65,7 +65,7 @@ from qserve.quantize.gptq import (
     gptq_w8_quantize,
 )
 from qserve.quantize.kv_scales import KVObserver, check_kv_cache_dtype, kv_scale
-from qserve.quantize.model_check import check_model_tensors
+from qserve.quantize.model_check import check_model_tensors, meta_model
 from qserve.quantize.rtn import QuantizedWeight, rtn_quantize
 from qserve.quantize.smoothquant import (
     activation_absmax,
@@ -320,9 +320,11 @@ def quantize_model(
         raise QServeError(f"scales file {scales_path} is a folder", param="scales_path")
     config = AutoConfig.from_pretrained(model_path)
     spec = arch_spec(config.model_type)
+    skeleton = meta_model(config)
     if settings.group_size == "auto":
-        settings = dataclasses.replace(settings, group_size=auto_group_size(config, spec, settings))
-    check_model_tensors(model_path, config)
+        group_size = auto_group_size(skeleton, spec, settings)
+        settings = dataclasses.replace(settings, group_size=group_size)
+    check_model_tensors(model_path, skeleton)
     if output_dir is None:
         output_dir = default_output_dir(model_name or Path(model_path).name, settings)
     output_dir_rules.check_output_dir(output_dir, overwrite, model_path)
@@ -405,16 +407,11 @@ def check_group_size(model: nn.Module, spec: ArchSpec, settings: QuantizeSetting
         raise _group_size_error(gs, "lm_head", K)
 
 
-def auto_group_size(config: Any, spec: ArchSpec, settings: QuantizeSettings) -> int:
+def auto_group_size(model: nn.Module, spec: ArchSpec, settings: QuantizeSettings) -> int:
     """The largest of GROUP_SIZES that divides the input size of every linear `settings` would
-    quantize in the model of `config` (built on the meta device: no weights are read)."""
+    quantize in `model` (its `meta_model`: no weights are read)."""
     if settings.method not in ("rtn", "gptq", "awq"):
         return GROUP_SIZES[0]  # int8 / fp8 are per channel or per tensor: not read
-    from accelerate import init_empty_weights
-    from transformers import AutoModelForCausalLM
-
-    with init_empty_weights():
-        model = AutoModelForCausalLM.from_config(config)
     for gs in GROUP_SIZES:
         try:
             check_group_size(model, spec, dataclasses.replace(settings, group_size=gs))

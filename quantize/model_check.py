@@ -20,13 +20,24 @@ from qserve.quantize.offload import SafetensorsCheckpoint, _open
 IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
 
 
-def check_model_tensors(model_path: str | Path, config: Any) -> None:
-    """One-line QServeError unless the checkpoint holds exactly the tensors `config` needs.
-    A checkpoint without safetensors (pytorch_model.bin) is not checked: its names cannot be
-    read without loading it."""
+def meta_model(config: Any) -> Any:
+    """The causal LM of `config` on the meta device (shapes, no weights): what the quantizer
+    reads the linears' sizes and the expected tensors from, built once."""
+    import torch
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+
+    with init_empty_weights(include_buffers=False):
+        return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+
+
+def check_model_tensors(model_path: str | Path, skeleton: Any) -> None:
+    """One-line QServeError unless the checkpoint holds exactly the tensors the model needs
+    (`skeleton`: its `meta_model`). A checkpoint without safetensors (pytorch_model.bin) is not
+    checked: its names cannot be read without loading it."""
     if not any(Path(model_path).glob("*.safetensors")):
         return
-    expected, optional = _expected_shapes(config)
+    expected, optional = _expected_shapes(skeleton)
     stored = _stored_shapes(model_path)
     missing = [n for n in expected if n not in stored and n not in optional]
     unused = [n for n in stored if n not in expected and not n.endswith(IGNORED_SUFFIXES)]
@@ -53,15 +64,9 @@ def _mismatch(model_path: str | Path, what: str, names: list[str]) -> QServeErro
     )
 
 
-def _expected_shapes(config: Any) -> tuple[dict[str, tuple[int, ...]], set[str]]:
-    """(name -> shape of every tensor the model of `config` loads, the names that may be
-    absent because they are tied to another)."""
-    import torch
-    from accelerate import init_empty_weights
-    from transformers import AutoModelForCausalLM
-
-    with init_empty_weights(include_buffers=False):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+def _expected_shapes(model: Any) -> tuple[dict[str, tuple[int, ...]], set[str]]:
+    """(name -> shape of every tensor `model` loads, the names that may be absent because
+    they are tied to another)."""
     model.tie_weights()
     state = model.state_dict(keep_vars=True)
     first_name: dict[int, str] = {}

@@ -47,14 +47,18 @@ def test_tied_lm_head_may_be_absent(tiny_llama: Path, tmp_path: Path) -> None:
     from safetensors.torch import load_file, save_file
     from transformers import AutoConfig
 
-    from qserve.quantize.model_check import check_model_tensors
+    from qserve.quantize.model_check import check_model_tensors, meta_model
 
-    check_model_tensors(tiny_llama, AutoConfig.from_pretrained(tiny_llama))  # honest: passes
+    check_model_tensors(
+        tiny_llama, meta_model(AutoConfig.from_pretrained(tiny_llama))
+    )  # honest: passes
     model = _lying_copy(tiny_llama, tmp_path, tie_word_embeddings=True)
     tensors = load_file(model / "model.safetensors")
     del tensors["lm_head.weight"]
     save_file(tensors, model / "model.safetensors", metadata={"format": "pt"})
-    check_model_tensors(model, AutoConfig.from_pretrained(model))  # tied: lm_head comes along
+    check_model_tensors(
+        model, meta_model(AutoConfig.from_pretrained(model))
+    )  # tied: lm_head comes along
     untied = _lying_copy(model, tmp_path / "untied", tie_word_embeddings=False)
     with pytest.raises(QServeError, match="has no tensor lm_head.weight"):
-        check_model_tensors(untied, AutoConfig.from_pretrained(untied))
+        check_model_tensors(untied, meta_model(AutoConfig.from_pretrained(untied)))

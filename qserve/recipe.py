@@ -15,7 +15,6 @@ This module imports no torch; only `detect_hardware` does, inside the function.
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -33,7 +32,6 @@ if TYPE_CHECKING:
     import click
 
 FP8_MIN_CAPABILITY = 8.9  # FP8 tensor cores (Ada sm_89, Hopper sm_90); Triton's fp8e4nv too
-RECIPE_FILE = "qserve_recipe.json"  # quantize.export.PROVENANCE_FILE (tested equal)
 AUTO = "auto"
 
 # ------------------------------------------------------------------------------------ schema
@@ -502,19 +500,8 @@ def format_settings(values: Mapping[str, Any], origin: Mapping[str, str]) -> str
 
 
 def provenance(recipe: Recipe | None, effective: Mapping[str, Any]) -> dict[str, Any]:
-    """What `quantize` writes beside the weights (RECIPE_FILE): the recipe and the settings."""
+    """What `quantize` writes beside the weights (quantize.export.PROVENANCE_FILE): the recipe
+    and the settings."""
     spec = recipe.spec.model_dump(exclude_none=True) if recipe is not None else None
     name = recipe.name if recipe is not None else None
     return {"recipe": name, "spec": spec, "effective": dict(effective)}
-
-
-def write_provenance(folder: Path, recipe: Recipe | None, effective: Mapping[str, Any]) -> Path:
-    path = Path(folder) / RECIPE_FILE
-    path.write_text(json.dumps(provenance(recipe, effective), indent=2, default=str) + "\n")
-    return path
-
-
-def read_provenance(folder: str | Path) -> dict[str, Any] | None:
-    """The recipe that made a checkpoint, or None (not made by qserve quantize, or a hub id)."""
-    path = Path(folder) / RECIPE_FILE
-    return json.loads(path.read_text()) if path.is_file() else None

@@ -38,7 +38,6 @@ import contextlib
 import copy
 import dataclasses
 import inspect
-import json
 import re
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -357,8 +356,7 @@ def quantize_model(
                 (tmp / SEARCH_FILE).parent.mkdir()
                 scales.save(tmp / SEARCH_FILE)
             made_by = provenance or {"recipe": None, "effective": dataclasses.asdict(settings)}
-            text = json.dumps(made_by, indent=2, default=str) + "\n"
-            (tmp / export.PROVENANCE_FILE).write_text(text)
+            export.write_provenance(tmp, dict(made_by))
     return Path(output_dir)
 
 

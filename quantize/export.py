@@ -48,6 +48,7 @@ PROVENANCE_FILE = "qserve_recipe.json"
 
 __all__ = [
     "PROVENANCE_FILE",
+    "write_provenance",
     "gptq_tensors",
     "awq_tensors",
     "compressed_tensors",
@@ -199,6 +200,11 @@ def kv_cache_scheme() -> dict[str, Any]:
 
 
 # -------------------------------------------------------------------------------------- output
+
+
+def write_provenance(folder: Path, made_by: dict[str, Any]) -> None:
+    """PROVENANCE_FILE: what made the checkpoint (read back by `qserve.model.loader`)."""
+    (folder / PROVENANCE_FILE).write_text(json.dumps(made_by, indent=2, default=str) + "\n")
 
 
 def write_checkpoint(

@@ -351,11 +351,14 @@ def test_format_settings_and_provenance(tmp_path):
     recipe = rc.find_recipe("cpu-w4")
     line = rc.format_settings({"bits": 4, "seq_len": 64}, {"bits": "recipe", "seq_len": "cli"})
     assert line == "bits=4 (recipe), seq_len=64 (cli)"
-    rc.write_provenance(tmp_path, recipe, {"bits": 4})
-    saved = rc.read_provenance(tmp_path)
+    from qserve.model.loader import read_provenance
+    from qserve.quantize.export import write_provenance
+
+    write_provenance(tmp_path, rc.provenance(recipe, {"bits": 4}))
+    saved = read_provenance(tmp_path)
     assert saved["recipe"] == "cpu-w4" and saved["effective"] == {"bits": 4}
     assert rc.RecipeSpec.model_validate(saved["spec"]) == recipe.spec
-    assert rc.read_provenance(tmp_path / "nothing") is None
+    assert read_provenance(tmp_path / "nothing") is None
 
 
 # ------------------------------------------------------------------------------- the CLI
@@ -407,37 +410,39 @@ def test_recipe_quantizes_and_generates_on_cpu(tmp_path, tiny_model, name):
 
     from qserve.engine.llm import LLM
     from qserve.engine.sampling_params import SamplingParams
+    from qserve.model.loader import read_provenance
     from qserve.quantize.driver import quantize_model
 
     torch.set_num_threads(1)
     recipe = rc.find_recipe(name)
     kwargs = rc.section_values(recipe.quantize) | TINY_CALIB
     kwargs.pop("kv_cache_dtype", None)  # recorded, not a driver argument
-    out = quantize_model(tiny_model, tmp_path / "q", **kwargs)
-    rc.write_provenance(out, recipe, kwargs)
+    made_by = rc.provenance(recipe, kwargs)
+    out = quantize_model(tiny_model, tmp_path / "q", provenance=made_by, **kwargs)
     serve = recipe.serve_values | TINY_SERVE
     llm = LLM(str(out), **serve)
     assert llm.engine.config.kv_cache_dtype == (recipe.serve.kv_cache_dtype or "auto")
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     [result] = llm.generate(["Call me Ishmael."], params)
     assert len(result.outputs[0].token_ids) == 4
-    assert rc.read_provenance(out)["recipe"] == name
+    assert read_provenance(out)["recipe"] == name
 
 
 def test_engine_start_up_names_the_recipe_that_made_the_checkpoint(tmp_path, caplog):
     import logging
 
     from qserve.engine.llm import LLM
-    from qserve.recipe import find_recipe, write_provenance
+    from qserve.quantize.export import write_provenance
+    from qserve.recipe import find_recipe, provenance
     from tests.tiny import save_tiny_llama
 
     folder = save_tiny_llama(tmp_path / "tiny")
-    write_provenance(folder, find_recipe("cpu-int8"), {"method": "int8"})
+    write_provenance(folder, provenance(find_recipe("cpu-int8"), {"method": "int8"}))
     with caplog.at_level(logging.INFO, logger="qserve"):
         LLM(str(folder), dtype="float32", kv_cache_memory="1MiB")
     assert "recipe cpu-int8" in caplog.text
     caplog.clear()
-    write_provenance(folder, None, {"method": "int8"})  # quantized without a recipe
+    write_provenance(folder, provenance(None, {"method": "int8"}))  # made without a recipe
     with caplog.at_level(logging.INFO, logger="qserve"):
         LLM(str(folder), dtype="float32", kv_cache_memory="1MiB")
     assert "(made by qserve quantize)" in caplog.text and "recipe None" not in caplog.text

@@ -107,11 +107,10 @@ class SSEStream:
 
 def is_byte_level(tokenizer: Any) -> bool:
     """Whether the tokenizer's pieces are GPT-2 style byte-level strings (one char per byte)."""
+    from tokenizers import decoders
+
     backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is None:
-        return False
-    decoder = json.loads(backend.to_str()).get("decoder") or {}
-    return decoder.get("type") == "ByteLevel"
+    return backend is not None and isinstance(backend.decoder, decoders.ByteLevel)
 
 
 @functools.cache

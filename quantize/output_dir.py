@@ -40,19 +40,15 @@ def check_output_dir(
     blocking = next((p for p in out.absolute().parents if p.exists() and not p.is_dir()), None)
     if blocking is not None:
         raise QServeError(f"output path {out}: {blocking} is a file, not a folder", "output")
-    resolved = out.resolve()
-    cwd = Path.cwd().resolve()
-    if resolved == cwd or resolved in cwd.parents:
+    if _is_or_holds(out, Path.cwd()):
         raise QServeError(
             f"output folder {out} is the current folder or holds it; name a new folder",
             param="output",
         )
-    if model_path is not None:
-        model = Path(model_path).resolve()
-        if resolved == model or resolved in model.parents:
-            raise QServeError(
-                f"output folder {out} is the input model's folder or holds it", param="output"
-            )
+    if model_path is not None and _is_or_holds(out, Path(model_path)):
+        raise QServeError(
+            f"output folder {out} is the input model's folder or holds it", param="output"
+        )
     if out.is_dir() and any(out.iterdir()):
         if not overwrite:
             raise QServeError(
@@ -61,6 +57,12 @@ def check_output_dir(
             )
         _check_replaceable(out)
     return out
+
+
+def _is_or_holds(folder: Path, path: Path) -> bool:
+    """Whether `folder` is `path` or one of the folders above it (links resolved)."""
+    folder, path = folder.resolve(), path.resolve()
+    return folder == path or folder in path.parents
 
 
 def _check_replaceable(folder: Path) -> None:

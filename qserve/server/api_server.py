@@ -28,7 +28,7 @@ from qserve.server.async_engine import (
     EngineDeadError,
     QueueFullError,
 )
-from qserve.server.limits import RequestLimits, check_text_length
+from qserve.server.limits import RequestLimits
 from qserve.server.metrics import ServerMetrics, StatLogger
 from qserve.server.protocol import (
     APIError,
@@ -175,13 +175,11 @@ async def _tokenize(server: Server, body: TokenizeRequest) -> dict[str, Any]:
     server.chat.check_model(body.model)
     if (body.prompt is None) == (body.messages is None):
         raise APIError("send exactly one of prompt and messages", param="prompt")
-    worker, max_model_len = server.engine.tokenizer, server.engine.engine.max_model_len
     if body.messages is not None:
         tokens = await server.chat.prompt_ids(body.messages, body.add_generation_prompt)
     else:
-        text = body.prompt or ""
-        check_text_length(text, max_model_len, worker.max_token_chars)
-        tokens = await worker.encode(text, body.add_special_tokens)
+        tokens = await server.engine.tokenize(body.prompt or "", body.add_special_tokens)
+    max_model_len = server.engine.engine.max_model_len
     return {"tokens": tokens, "count": len(tokens), "max_model_len": max_model_len}
 
 

@@ -195,7 +195,7 @@ class AsyncLLMEngine:
         self._streams[request_id] = stream
         arrival = time.monotonic()
         try:
-            prompt_ids = await self._tokenize(prompt, add_special_tokens)
+            prompt_ids = await self.tokenize(prompt, add_special_tokens)
             check_context_length(len(prompt_ids), params, self.engine.max_model_len, True)
             await self.call(
                 lambda engine: engine.add_request(
@@ -209,7 +209,9 @@ class AsyncLLMEngine:
             raise
         return stream
 
-    async def _tokenize(self, prompt: str | list[int], add_special_tokens: bool) -> list[int]:
+    async def tokenize(self, prompt: str | list[int], add_special_tokens: bool) -> list[int]:
+        """A text prompt's token ids, on the tokenizer thread; one too long for the context
+        is refused before it is tokenized. Token ids are returned as they are."""
         if not isinstance(prompt, str):
             return prompt
         check_text_length(prompt, self.engine.max_model_len, self.tokenizer.max_token_chars)

@@ -28,26 +28,34 @@ memory; the file is laid out as safetensors' own `save_file` lays it out, byte f
 
 from __future__ import annotations
 
-import dataclasses
 import json
-import struct
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors.torch import save_file
-from torch import Tensor
+from torch import Tensor, nn
 
 from qserve.errors import QServeError
 from qserve.kernels import packing
+from qserve.quantize.arch import ArchSpec
+from qserve.quantize.kv_scales import kv_scale
+from qserve.quantize.results import BlockResults
 from qserve.quantize.rtn import QuantizedWeight
+from qserve.quantize.safetensors_merge import merge_safetensors
+from qserve.quantize.settings import QuantizeSettings
 
+if TYPE_CHECKING:
+    from qserve.quantize.offload import BlockOffload
+
+SEARCH_FILE = "qserve/search_scales.safetensors"  # AWQ / SmoothQuant search, in the checkpoint
 # What made a checkpoint (`qserve quantize`'s recipe and settings), written beside the weights
 PROVENANCE_FILE = "qserve_recipe.json"
 
 __all__ = [
     "PROVENANCE_FILE",
+    "SEARCH_FILE",
     "write_provenance",
     "gptq_tensors",
     "awq_tensors",
@@ -59,6 +67,9 @@ __all__ = [
     "kv_cache_scheme",
     "write_checkpoint",
     "merge_safetensors",
+    "write_quantized",
+    "checkpoint_tensors",
+    "quantization_config",
 ]
 
 
@@ -226,83 +237,84 @@ def write_checkpoint(
         (folder / name).write_text(json.dumps(payload, indent=2) + "\n")
 
 
-# ------------------------------------------------------------------------ streamed safetensors
-
-# safetensors' Dtype enum order: save_file lays tensors out by dtype, this order reversed
-# (so every tensor is aligned to its element size), then by name.
-_DTYPE_ORDER = ("BOOL", "U8", "I8", "F8_E5M2", "F8_E4M3", "I16", "U16", "F16", "BF16", "I32",
-                "U32", "F32", "F64", "I64", "U64")  # fmt: skip
-_DTYPE_NAMES = {
-    torch.bool: "BOOL", torch.uint8: "U8", torch.int8: "I8", torch.float8_e5m2: "F8_E5M2",
-    torch.float8_e4m3fn: "F8_E4M3", torch.int16: "I16", torch.float16: "F16",
-    torch.bfloat16: "BF16", torch.int32: "I32", torch.float32: "F32", torch.float64: "F64",
-    torch.int64: "I64",
-}  # fmt: skip
+# ------------------------------------------------------------------------- quantized checkpoints
 
 
-@dataclasses.dataclass(frozen=True)
-class _Entry:
-    """One tensor of the merged file: in memory, or bytes [begin, end) of a file."""
-
-    dtype: str
-    shape: list[int]
-    nbytes: int
-    tensor: Tensor | None = None
-    file: Path | None = None
-    begin: int = 0
-
-
-def merge_safetensors(
-    path: Path, tensors: dict[str, Tensor], files: Sequence[Path], metadata: dict[str, str]
+def write_quantized(
+    folder: Path,
+    model: nn.Module,
+    tokenizer: Any,
+    spec: ArchSpec,
+    results: BlockResults,
+    settings: QuantizeSettings,
+    dtype: torch.dtype,
+    blocks: BlockOffload | None = None,
 ) -> None:
-    """One safetensors file of `tensors` and every tensor of `files`, what save_file writes
-    for all of them together, holding one tensor in memory at a time. A name twice is refused."""
-    entries = {name: _memory_entry(t) for name, t in tensors.items()}
-    for file in files:
-        for name, entry in _file_entries(file).items():
-            if name in entries:
-                raise ValueError(f"tensor {name} is in {file} and elsewhere")
-            entries[name] = entry
-    order = sorted(entries, key=lambda n: (-_DTYPE_ORDER.index(entries[n].dtype), n.encode()))
-    header, offset = {"__metadata__": metadata}, 0
-    for name in order:
-        e = entries[name]
-        header[name] = {
-            "dtype": e.dtype,
-            "shape": e.shape,
-            "data_offsets": [offset, offset + e.nbytes],
-        }
-        offset += e.nbytes
-    raw = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
-    raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
-    with path.open("wb") as out:
-        out.write(struct.pack("<Q", len(raw)) + raw)
-        for name in order:
-            out.write(_entry_bytes(entries[name]))
+    """The checkpoint folder: weights, config with quantization_config, tokenizer files.
+    Offloaded (`blocks`), the blocks' tensors are copied from their files in the offload folder
+    (`results` then holds only what lies outside the blocks: a quantized lm_head, if any)."""
+    state = {k: v.detach() for k, v in model.state_dict().items() if not v.is_meta}
+    if getattr(model.config, "tie_word_embeddings", False):
+        state.pop("lm_head.weight", None)
+    tensors = checkpoint_tensors(state, results, settings, dtype)
+    quantized = set(results.linears) | (blocks.quantized if blocks is not None else set())
+    qconfig, extra = quantization_config(model, spec, quantized, settings)
+    config = model.config.to_dict()
+    config["quantization_config"] = qconfig
+    config["dtype"] = str(dtype).removeprefix("torch.")
+    write_checkpoint(folder, tensors, config, extra, blocks.files if blocks else ())
+    tokenizer.save_pretrained(folder)
+    if getattr(model, "generation_config", None) is not None:
+        model.generation_config.save_pretrained(folder)
 
 
-def _memory_entry(t: Tensor) -> _Entry:
-    if t.dtype not in _DTYPE_NAMES:
-        raise ValueError(f"no safetensors dtype for {t.dtype}")
-    return _Entry(_DTYPE_NAMES[t.dtype], list(t.shape), t.numel() * t.element_size(), tensor=t)
+def checkpoint_tensors(
+    state: dict[str, Tensor], results: BlockResults, s: QuantizeSettings, dtype: torch.dtype
+) -> dict[str, Tensor]:
+    """The checkpoint's tensors for the float `state` (cast to `dtype`) and the `results`
+    quantized from it: a quantized linear's weight becomes the tensors of its format."""
+    tensors = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
+    to_tensors = {
+        "rtn": gptq_tensors,
+        "gptq": gptq_tensors,
+        "awq": awq_tensors,
+    }.get(s.method, lambda r: compressed_tensors(r.Q, r.weight_scale, r.input_scale))
+    for name, r in results.linears.items():
+        del tensors[f"{name}.weight"]
+        tensors.update({f"{name}.{k}": v for k, v in to_tensors(r).items()})
+    for attention, (k_absmax, v_absmax) in results.kv_absmax.items():
+        k_scale, v_scale = (kv_scale(m, s.kv_cache_dtype) for m in (k_absmax, v_absmax))
+        tensors.update(kv_scale_tensors(attention, k_scale, v_scale))
+    return tensors
 
 
-def _file_entries(file: Path) -> dict[str, _Entry]:
-    """The tensors of a safetensors file, by name, from its header (no data is read)."""
-    with file.open("rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(n))
-    header.pop("__metadata__", None)
-    entries = {}
-    for name, h in header.items():
-        begin, end = h["data_offsets"]  # relative to the data, which follows the header
-        entries[name] = _Entry(h["dtype"], h["shape"], end - begin, file=file, begin=8 + n + begin)
-    return entries
-
-
-def _entry_bytes(e: _Entry) -> bytes | memoryview:
-    if e.tensor is not None:  # little-endian, as safetensors stores it
-        return memoryview(e.tensor.reshape(-1).view(torch.uint8).numpy())
-    with e.file.open("rb") as f:
-        f.seek(e.begin)
-        return f.read(e.nbytes)
+def quantization_config(
+    model: nn.Module, spec: ArchSpec, quantized: set[str], s: QuantizeSettings
+) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
+    """(config.json["quantization_config"], extra JSON files), naming the unquantized linears."""
+    skipped = [
+        n for n, m in model.named_modules() if isinstance(m, nn.Linear) and n not in quantized
+    ]
+    if s.method == "awq":
+        return awq_config(s.group_size, [n for n in skipped if n != "lm_head"]), {}
+    if s.method in ("int8", "fp8"):
+        kind = "int" if s.method == "int8" else "float"
+        static = s.activation_scheme == "static"
+        # compressed-tensors' 8-bit float is E4M3: e5m2 scales are written but not declared
+        kv = kv_cache_scheme() if s.kv_cache_dtype == "fp8_e4m3" else None
+        qconfig = compressed_tensors_config(kind, s.weight_strategy, static, skipped, kv)
+        return qconfig, {}
+    gptq = s.method == "gptq"  # rtn writes the same format, with natural order and no Hessian
+    qconfig = gptq_config(
+        s.bits, s.group_size, s.sym, s.desc_act and gptq, s.damp, s.static_groups and gptq,
+        true_sequential=gptq,
+    )  # fmt: skip
+    if "lm_head" in quantized:
+        qconfig["lm_head"] = True
+    block0 = f"{spec.blocks}.0."
+    if any(n.startswith(block0) for n in skipped):
+        # optimum/GPTQModel's way of naming the linears that carry quantized tensors
+        qconfig["modules_in_block_to_quantize"] = [
+            [n for n in group if block0 + n in quantized] for group in spec.sequential
+        ]
+    return qconfig, {"quantize_config.json": qconfig}

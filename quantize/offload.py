@@ -13,23 +13,30 @@ block, when) is the driver's.
     empty_model             the model, its blocks on meta, the rest read from the checkpoint
     materialize / release   put a module's tensors in place / back on meta
     offload_folder          a temporary folder inside the user's offload folder, removed after
+    BlockOffload            the driver's side: read a block, write its checkpoint tensors, free it
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import shutil
 import tempfile
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
 from torch import Tensor, nn
 
 from qserve.errors import QServeError
+from qserve.quantize import export
+from qserve.quantize.fold import ScaleResult
+from qserve.quantize.results import BlockResults
+from qserve.quantize.settings import QuantizeSettings
 
 __all__ = [
     "SafetensorsCheckpoint",
@@ -38,6 +45,8 @@ __all__ = [
     "release",
     "is_materialized",
     "offload_folder",
+    "BlockOffload",
+    "select_scales",
 ]
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -228,3 +237,68 @@ def _remove_created(root: Path, top: Path | None) -> None:
             return
         if folder == top:
             return
+
+
+# ------------------------------------------------------------------------------ the driver's side
+
+
+@dataclasses.dataclass
+class BlockOffload:
+    """The decoder blocks of `model` (under `blocks`) kept on disk: each is read from
+    `checkpoint` before it is quantized, then written to `folder` and put back on meta.
+
+    A finished block leaves one file in `folder` holding exactly its tensors of the output
+    checkpoint (`_checkpoint_tensors` of the block); `quantized` names its quantized linears.
+    `replay`: a saved AWQ / SmoothQuant search, folded into each block as it is read.
+    """
+
+    model: nn.Module
+    blocks: str
+    checkpoint: SafetensorsCheckpoint
+    folder: Path
+    settings: QuantizeSettings
+    dtype: torch.dtype
+    replay: ScaleResult | None = None
+    files: list[Path] = dataclasses.field(default_factory=list)
+    quantized: set[str] = dataclasses.field(default_factory=set)
+
+    def set_replay(self, scales: ScaleResult) -> None:
+        """Check `scales` against the model now; fold what lies outside the blocks now, the
+        rest block by block (folds of different blocks touch different tensors)."""
+        modules = dict(self.model.named_modules())
+        missing = [n for n in [*scales.scales, *scales.clips] if n not in modules]
+        if missing:
+            raise QServeError(f"scales do not match the model: it has no module {missing[0]}")
+        outside = select_scales(scales, lambda name: not name.startswith(self.blocks + "."))
+        outside.apply(self.model, self.settings.group_size)
+        self.replay = scales
+
+    def load(self, block: nn.Module, prefix: str) -> None:
+        """Read the block's tensors (fp32) from the checkpoint, and fold the replayed search."""
+        tensors = self.checkpoint.read(prefix + n for n in block.state_dict())
+        materialize(block, {n.removeprefix(prefix): t for n, t in tensors.items()})
+        if self.replay is not None:
+            mine = select_scales(self.replay, lambda name: name.startswith(prefix))
+            mine.apply(self.model, self.settings.group_size)
+
+    def save(self, block: nn.Module, prefix: str, done: BlockResults) -> None:
+        """Write the block's checkpoint tensors to the offload folder and free the block."""
+        state = {k: v.detach() for k, v in block.state_dict(prefix=prefix).items()}
+        tensors = export.checkpoint_tensors(state, done, self.settings, self.dtype)
+        path = self.folder / f"{prefix.rstrip('.')}.safetensors"
+        try:
+            save_file({k: v.contiguous() for k, v in tensors.items()}, str(path))
+        except OSError as e:
+            raise QServeError(f"cannot write {path}: {e.strerror or e}", "offload_dir") from None
+        self.files.append(path)
+        self.quantized.update(done.linears)
+        release(block)
+
+
+def select_scales(scales: ScaleResult, keep: Callable[[str], bool]) -> ScaleResult:
+    """The entries of `scales` whose module name `keep` accepts, in their order."""
+    return ScaleResult(
+        scales={k: v for k, v in scales.scales.items() if keep(k)},
+        linears={k: v for k, v in scales.linears.items() if keep(k)},
+        clips={k: v for k, v in scales.clips.items() if keep(k)},
+    )

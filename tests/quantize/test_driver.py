@@ -182,11 +182,11 @@ def test_gptaq_same_format(tiny_llama: Path, tmp_path_factory) -> None:
 
 def test_gptaq_recomputes_what_it_does_not_keep(tiny_llama: Path, tmp_path: Path, monkeypatch):
     """Float inputs over the cache budget are recomputed per group: the same checkpoint."""
-    from qserve.quantize import driver
+    from qserve.quantize import block_context
 
     a = tmp_path / "kept"
     quantize_model(tiny_llama, a, method="gptq", group_size=32, gptaq=True, **CALIB)
-    monkeypatch.setattr(driver, "REFERENCE_CACHE_BYTES", 0)
+    monkeypatch.setattr(block_context, "REFERENCE_CACHE_BYTES", 0)
     b = tmp_path / "recomputed"
     quantize_model(tiny_llama, b, method="gptq", group_size=32, gptaq=True, **CALIB)
     ta, tb = _tensors(a), _tensors(b)
@@ -206,20 +206,20 @@ def test_gptaq_recomputes_what_it_does_not_keep(tiny_llama: Path, tmp_path: Path
 def test_attention_replay_changes_nothing(kw: dict, tiny_llama: Path, tmp_path: Path, monkeypatch):
     """Reusing each block's final attention outputs (instead of recomputing them for the later
     sequential groups and the block's outputs) gives the same checkpoint, bit for bit."""
-    from qserve.quantize import driver
+    from qserve.quantize import block_context
 
     calls = {"replayed": 0}
-    replay = driver._BlockContext.attention_replay
+    replay = block_context.BlockContext.attention_replay
 
     def counting(self, reads_attention: bool = False):
         calls["replayed"] += self.attention_outputs is not None and not reads_attention
         return replay(self, reads_attention)
 
-    monkeypatch.setattr(driver._BlockContext, "attention_replay", counting)
+    monkeypatch.setattr(block_context.BlockContext, "attention_replay", counting)
     a = tmp_path / "replayed"
     quantize_model(tiny_llama, a, group_size=32, **kw, **CALIB)
     assert calls["replayed"] > 0
-    monkeypatch.setattr(driver, "REPLAY_CACHE_BYTES", 0)
+    monkeypatch.setattr(block_context, "REPLAY_CACHE_BYTES", 0)
     b = tmp_path / "recomputed"
     quantize_model(tiny_llama, b, group_size=32, **kw, **CALIB)
     ta, tb = _tensors(a), _tensors(b)

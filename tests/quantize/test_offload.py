@@ -156,7 +156,7 @@ def test_one_block_in_memory_at_a_time(
 
     empty_model = offload.empty_model
     monkeypatch.setattr(offload, "empty_model", keep)
-    for stage, name in [("capture", "_capture_block_inputs"), ("quantize", "_quantize_block"),
+    for stage, name in [("capture", "capture_block_inputs"), ("quantize", "quantize_block"),
                         ("outputs", "_block_outputs")]:  # fmt: skip
         monkeypatch.setattr(driver, name, counting(stage, getattr(driver, name)))
 
@@ -195,8 +195,8 @@ def test_offload_folder_is_removed_on_error(
             raise RuntimeError("boom")
         return quantize_block(ctx, scales)
 
-    quantize_block = driver._quantize_block
-    monkeypatch.setattr(driver, "_quantize_block", fail)
+    quantize_block = driver.quantize_block
+    monkeypatch.setattr(driver, "quantize_block", fail)
     with pytest.raises(RuntimeError, match="boom"):
         quantize_model(tiny_llama, tmp_path / "o", "rtn", offload_dir=tmp_path / "a" / "off")
     assert not (tmp_path / "a").exists() and not (tmp_path / "o").exists()

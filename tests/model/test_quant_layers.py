@@ -276,7 +276,7 @@ def test_gptq_rejects_g_idx_outside_the_groups():
 )
 def test_triton_wiring_through_ops(monkeypatch, make):
     """The CUDA path's arguments, checked on CPU: `ops` falls back to the torch references."""
-    import qserve.model.quant as quant
+    import qserve.model.quant_linear as quant
 
     monkeypatch.setattr(quant, "_on_triton", lambda t: True)
     layer, ref, bias = make()
@@ -288,7 +288,7 @@ def test_triton_wiring_through_ops(monkeypatch, make):
     ("fmt", "acts"), [("int8", "token"), ("int8", "static"), ("int8", None), ("fp8", "tensor")]
 )
 def test_triton_wiring_through_ops_w8(monkeypatch, fmt, acts):
-    import qserve.model.quant as quant
+    import qserve.model.quant_linear as quant
 
     monkeypatch.setattr(quant, "_on_triton", lambda t: True)
     layer, ref, input_scale = w8_layer(fmt, acts, per_channel=True)

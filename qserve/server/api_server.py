@@ -37,6 +37,13 @@ from qserve.server.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
+from qserve.server.responses import (
+    DetokenizeResponse,
+    ModelCard,
+    ModelList,
+    TokenizeResponse,
+    dump,
+)
 from qserve.server.security import (
     HostCheckMiddleware,
     allowed_hosts,
@@ -92,8 +99,9 @@ class Server:
         self.stat_logger = StatLogger(self.metrics, lambda: self.engine.stats, config.log_interval)
         serving = (self.engine, config.served_model_name, config.limits, config.max_tokens_default)
         self.completion = OpenAIServingCompletion(*serving)
-        self.chat = OpenAIServingChat(*serving)
-        self.chat.special_tokens_in_content = config.special_tokens_in_content
+        self.chat = OpenAIServingChat(
+            *serving, special_tokens_in_content=config.special_tokens_in_content
+        )
 
     async def check_api_key(self, request: Request) -> None:
         check_bearer(request, self.config.api_key)
@@ -131,7 +139,7 @@ def _add_routes(app: FastAPI, server: Server) -> None:
 
     @app.get("/v1/models", dependencies=auth)
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [_model_card(server)]}
+        return dump(ModelList(object="list", data=[_model_card(server)]))
 
     @app.post("/v1/completions", dependencies=auth)
     async def completions(request: Request) -> Response:
@@ -148,7 +156,7 @@ def _add_routes(app: FastAPI, server: Server) -> None:
     @app.post("/tokenize", dependencies=auth)
     async def tokenize(request: Request) -> dict[str, Any]:
         body = await parse_body(request, TokenizeRequest, server.config.limits)
-        return await _tokenize(server, body)
+        return dump(await _tokenize(server, body))
 
     @app.post("/detokenize", dependencies=auth)
     async def detokenize(request: Request) -> dict[str, Any]:
@@ -157,21 +165,22 @@ def _add_routes(app: FastAPI, server: Server) -> None:
         vocab = server.engine.engine.model_config.vocab_size
         if any(not 0 <= t < vocab for t in body.tokens):
             raise QServeError(f"token ids must be in [0, {vocab})", param="tokens")
-        return {"prompt": await server.engine.tokenizer.decode(body.tokens)}
+        prompt = await server.engine.tokenizer.decode(body.tokens)
+        return dump(DetokenizeResponse(prompt=prompt))
 
 
-def _model_card(server: Server) -> dict[str, Any]:
-    return {
-        "id": server.config.served_model_name,
-        "object": "model",
-        "created": now(),
-        "owned_by": "qserve",
-        "root": str(server.engine.engine.config.model or server.config.served_model_name),
-        "max_model_len": server.engine.engine.max_model_len,
-    }
+def _model_card(server: Server) -> ModelCard:
+    return ModelCard(
+        id=server.config.served_model_name,
+        object="model",
+        created=now(),
+        owned_by="qserve",
+        root=str(server.engine.engine.config.model or server.config.served_model_name),
+        max_model_len=server.engine.engine.max_model_len,
+    )
 
 
-async def _tokenize(server: Server, body: TokenizeRequest) -> dict[str, Any]:
+async def _tokenize(server: Server, body: TokenizeRequest) -> TokenizeResponse:
     server.chat.check_model(body.model)
     if (body.prompt is None) == (body.messages is None):
         raise APIError("send exactly one of prompt and messages", param="prompt")
@@ -180,12 +189,12 @@ async def _tokenize(server: Server, body: TokenizeRequest) -> dict[str, Any]:
     else:
         tokens = await server.engine.tokenize(body.prompt or "", body.add_special_tokens)
     max_model_len = server.engine.engine.max_model_len
-    return {"tokens": tokens, "count": len(tokens), "max_model_len": max_model_len}
+    return TokenizeResponse(tokens=tokens, count=len(tokens), max_model_len=max_model_len)
 
 
-def _respond(result: dict[str, Any] | SSEStream, config: ServerConfig) -> Response:
-    if isinstance(result, dict):
-        return JSONResponse(result)
+def _respond(result: BaseModel | SSEStream, config: ServerConfig) -> Response:
+    if not isinstance(result, SSEStream):
+        return JSONResponse(dump(result))
     return _EventSourceResponse(
         result.payloads,
         sep="\n",

@@ -12,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from qserve.engine.sampling_params import RequestOutputKind, SamplingParams
 from qserve.errors import QServeError
+from qserve.server.responses import ErrorInfo, ErrorResponse, Json, dump
 
 # Most samples one request may ask for: n beyond this is surely a mistake, and costs memory.
 MAX_N = 128
@@ -43,15 +44,12 @@ class APIError(Exception):
         self.code = code
         self.headers = headers
 
-    def body(self) -> dict[str, object]:
-        return {
-            "error": {
-                "message": self.message,
-                "type": self.type,
-                "param": self.param,
-                "code": self.code,
-            }
-        }
+    def response(self) -> ErrorResponse:
+        info = ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.code)
+        return ErrorResponse(error=info)
+
+    def body(self) -> Json:
+        return dump(self.response())
 
     @classmethod
     def from_qserve(cls, exc: QServeError) -> APIError:

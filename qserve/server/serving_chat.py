@@ -7,11 +7,22 @@ from contextlib import aclosing
 
 from qserve.engine.outputs import CompletionOutput, RequestOutput
 from qserve.engine.sampler import Logprobs
-from qserve.server.async_engine import RequestStream
-from qserve.server.limits import check_text_length
+from qserve.server.async_engine import AsyncLLMEngine, RequestStream
+from qserve.server.limits import RequestLimits, check_text_length
+from qserve.server.logprobs import chat_logprobs
 from qserve.server.protocol import ChatCompletionRequest, ChatMessage
+from qserve.server.responses import (
+    ChatCompletionLogProbs,
+    ChatCompletionMessage,
+    ChatCompletionResponse,
+    ChatCompletionResponseChoice,
+    ChatCompletionResponseStreamChoice,
+    ChatCompletionStreamResponse,
+    DeltaMessage,
+    UsageInfo,
+    sse,
+)
 from qserve.server.serving_engine import (
-    Json,
     OpenAIServing,
     SSEStream,
     close_all,
@@ -20,16 +31,26 @@ from qserve.server.serving_engine import (
     merge,
     now,
     random_id,
-    sse,
     usage,
 )
 
+CHUNK = "chat.completion.chunk"
+
 
 class OpenAIServingChat(OpenAIServing):
-    # Text like <|im_end|> in a message is parsed as the special token (off: plain text)
-    special_tokens_in_content: bool = False
+    def __init__(
+        self,
+        engine: AsyncLLMEngine,
+        served_model_name: str,
+        limits: RequestLimits | None = None,
+        max_tokens_default: int | None = None,
+        special_tokens_in_content: bool = False,
+    ) -> None:
+        super().__init__(engine, served_model_name, limits, max_tokens_default)
+        # Text like <|im_end|> in a message is parsed as the special token (off: plain text)
+        self.special_tokens_in_content = special_tokens_in_content
 
-    async def create(self, request: ChatCompletionRequest) -> Json | SSEStream:
+    async def create(self, request: ChatCompletionRequest) -> ChatCompletionResponse | SSEStream:
         self.check_model(request.model)
         params = request.sampling_params(self.max_tokens_default)
         prompt_ids = await self.prompt_ids(request.messages, request.add_generation_prompt)
@@ -56,41 +77,31 @@ class OpenAIServingChat(OpenAIServing):
 
     def _response(
         self, request_id: str, request: ChatCompletionRequest, output: RequestOutput
-    ) -> Json:
+    ) -> ChatCompletionResponse:
         choices = [
-            {
-                "index": c.index,
-                "message": {"role": "assistant", "content": c.text},
-                "logprobs": self._logprobs(c.logprobs, request.top_logprobs or 0),
-                "finish_reason": c.finish_reason,
-                "stop_reason": c.stop_reason,
-            }
+            ChatCompletionResponseChoice(
+                index=c.index,
+                message=ChatCompletionMessage(role="assistant", content=c.text),
+                logprobs=self._logprobs(c.logprobs, request),
+                finish_reason=c.finish_reason,
+                stop_reason=c.stop_reason,
+            )
             for c in output.outputs
         ]
-        return {
-            "id": request_id,
-            "object": "chat.completion",
-            "created": now(),
-            "model": self.served_model_name,
-            "choices": choices,
-            "usage": usage([output]),
-        }
+        return ChatCompletionResponse(
+            id=request_id,
+            object="chat.completion",
+            created=now(),
+            model=self.served_model_name,
+            choices=choices,
+            usage=usage([output]),
+        )
 
-    def _logprobs(self, entries: list[Logprobs] | None, num_top: int) -> Json | None:
-        if entries is None:
-            return None
-        return {"content": [self._logprob_entry(e, num_top) for e in entries]}
-
-    def _logprob_entry(self, entry: Logprobs, num_top: int) -> Json:
-        top = zip(entry.top_token_ids[:num_top], entry.top_logprobs[:num_top])
-        return {
-            **self._token_logprob(entry.sampled_token_id, entry.logprob),
-            "top_logprobs": [self._token_logprob(t, lp) for t, lp in top],
-        }
-
-    def _token_logprob(self, token_id: int, logprob: float) -> Json:
-        text = self.token_text(token_id)
-        return {"token": text, "logprob": logprob, "bytes": self.token_bytes(token_id)}
+    def _logprobs(
+        self, entries: list[Logprobs] | None, request: ChatCompletionRequest
+    ) -> ChatCompletionLogProbs | None:
+        num_top = request.top_logprobs or 0
+        return chat_logprobs(entries, num_top, self.token_text, self.token_bytes)
 
     # -- stream --------------------------------------------------------------------------------
 
@@ -102,8 +113,7 @@ class OpenAIServingChat(OpenAIServing):
         final: RequestOutput | None = None
         try:
             for index in range(request.n):
-                role = {"index": index, "delta": {"role": "assistant", "content": ""}}
-                yield sse(self._envelope(request_id, request, [_no_finish(role)]))
+                yield sse(self._envelope(request_id, request, [_role_chunk(index)]))
             async with aclosing(merge(streams)) as outputs:
                 async for _, output in outputs:
                     for chunk in self._chunks(request, output, sent_tokens, finished):
@@ -111,7 +121,7 @@ class OpenAIServingChat(OpenAIServing):
                     final = output if output.finished else final
             if request.include_usage and final is not None:
                 counts = usage([final], completion_tokens=sum(sent_tokens))
-                yield sse({**self._envelope(request_id, request, []), "usage": counts})
+                yield sse(self._envelope(request_id, request, [], counts))
         except Exception as exc:  # the client gets an error event, never a hung stream
             yield sse(error_payload(exc))
         finally:
@@ -124,7 +134,7 @@ class OpenAIServingChat(OpenAIServing):
         output: RequestOutput,
         sent_tokens: list[int],
         finished: list[bool],
-    ) -> list[Json]:
+    ) -> list[ChatCompletionResponseStreamChoice]:
         """The chunks of the choices that moved; updates what was sent of each."""
         chunks = []
         for c in output.outputs:
@@ -137,38 +147,46 @@ class OpenAIServingChat(OpenAIServing):
                 chunks.append(chunk)
         return chunks
 
-    def _chunk(self, request: ChatCompletionRequest, c: CompletionOutput) -> Json | None:
+    def _chunk(
+        self, request: ChatCompletionRequest, c: CompletionOutput
+    ) -> ChatCompletionResponseStreamChoice | None:
         new_entries = c.logprobs or []
-        logprobs = (
-            self._logprobs(new_entries, request.top_logprobs or 0)
-            if c.logprobs is not None
-            else None
-        )
+        logprobs = self._logprobs(new_entries, request) if c.logprobs is not None else None
         if not c.delta_text and not c.finished and not new_entries:
             return None
-        delta = {"content": c.delta_text} if c.delta_text else {}
-        return {
-            "index": c.index,
-            "delta": delta,
-            "logprobs": logprobs,
-            "finish_reason": c.finish_reason,
-            "stop_reason": c.stop_reason,
-        }
+        delta = DeltaMessage(content=c.delta_text) if c.delta_text else DeltaMessage()
+        return ChatCompletionResponseStreamChoice(
+            index=c.index,
+            delta=delta,
+            logprobs=logprobs,
+            finish_reason=c.finish_reason,
+            stop_reason=c.stop_reason,
+        )
 
     def _envelope(
-        self, request_id: str, request: ChatCompletionRequest, choices: list[Json]
-    ) -> Json:
-        body: Json = {
-            "id": request_id,
-            "object": "chat.completion.chunk",
-            "created": now(),
-            "model": self.served_model_name,
-            "choices": choices,
-        }
-        if request.include_usage:
-            body["usage"] = None
-        return body
+        self,
+        request_id: str,
+        request: ChatCompletionRequest,
+        choices: list[ChatCompletionResponseStreamChoice],
+        counts: UsageInfo | None = None,
+    ) -> ChatCompletionStreamResponse:
+        """A chunk of `choices`; it has `usage` (null but in the last one) if it was asked."""
+        usage_field = {"usage": counts} if request.include_usage else {}
+        return ChatCompletionStreamResponse(
+            id=request_id,
+            object=CHUNK,
+            created=now(),
+            model=self.served_model_name,
+            choices=choices,
+            **usage_field,
+        )
 
 
-def _no_finish(choice: Json) -> Json:
-    return {**choice, "logprobs": None, "finish_reason": None}
+def _role_chunk(index: int) -> ChatCompletionResponseStreamChoice:
+    """The first chunk of each choice: the role, and no stop_reason."""
+    return ChatCompletionResponseStreamChoice(
+        index=index,
+        delta=DeltaMessage(role="assistant", content=""),
+        logprobs=None,
+        finish_reason=None,
+    )

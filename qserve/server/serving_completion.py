@@ -7,11 +7,18 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 
 from qserve.engine.outputs import CompletionOutput, RequestOutput
-from qserve.engine.sampler import Logprobs
 from qserve.server.async_engine import RequestStream
+from qserve.server.logprobs import completion_logprobs
 from qserve.server.protocol import CompletionRequest
+from qserve.server.responses import (
+    CompletionLogProbs,
+    CompletionResponse,
+    CompletionResponseChoice,
+    CompletionStreamResponse,
+    UsageInfo,
+    sse,
+)
 from qserve.server.serving_engine import (
-    Json,
     OpenAIServing,
     SSEStream,
     close_all,
@@ -20,9 +27,10 @@ from qserve.server.serving_engine import (
     merge,
     now,
     random_id,
-    sse,
     usage,
 )
+
+OBJECT = "text_completion"
 
 
 @dataclass
@@ -31,7 +39,7 @@ class _ChoiceState:
 
     started: bool = False
     num_tokens: int = 0
-    text_offset: int = 0  # of the next token's logprobs entry (see `_logprobs`)
+    text_offset: int = 0  # of the next token's logprobs entry (see `completion_logprobs`)
     finished: bool = False
 
     def update(self, completion: CompletionOutput, text_offset: int) -> None:
@@ -51,7 +59,7 @@ class _StreamState:
 
 
 class OpenAIServingCompletion(OpenAIServing):
-    async def create(self, request: CompletionRequest) -> Json | SSEStream:
+    async def create(self, request: CompletionRequest) -> CompletionResponse | SSEStream:
         self.check_model(request.model)
         params = request.sampling_params(self.max_tokens_default)
         prompts = request.prompts()
@@ -72,54 +80,27 @@ class OpenAIServingCompletion(OpenAIServing):
         request: CompletionRequest,
         prompts: list[str | list[int]],
         outputs: list[RequestOutput],
-    ) -> Json:
+    ) -> CompletionResponse:
         choices = []
         for i, output in enumerate(outputs):
             prefix = self._prompt_text(prompts[i]) if request.echo else ""
             for completion in output.outputs:
                 index = i * request.n + completion.index
-                logprobs, _ = self._logprobs(completion.logprobs, request.logprobs, len(prefix))
+                logprobs, _ = completion_logprobs(
+                    completion.logprobs, request.logprobs, len(prefix), self.token_text
+                )
                 choices.append(_choice(index, prefix + completion.text, logprobs, completion))
-        return {
-            "id": request_id,
-            "object": "text_completion",
-            "created": now(),
-            "model": self.served_model_name,
-            "choices": choices,
-            "usage": usage(outputs),
-        }
+        return CompletionResponse(
+            id=request_id,
+            object=OBJECT,
+            created=now(),
+            model=self.served_model_name,
+            choices=choices,
+            usage=usage(outputs),
+        )
 
     def _prompt_text(self, prompt: str | list[int]) -> str:
         return prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt)
-
-    def _logprobs(
-        self, entries: list[Logprobs] | None, num_top: int | None, text_offset: int
-    ) -> tuple[Json | None, int]:
-        """OpenAI's legacy logprobs object for `entries` (one per generated token), and the
-        offset after them. A token's text_offset is where it starts if the tokens' own texts
-        follow the echoed prompt (vLLM's rule), the same in a stream and in a whole response."""
-        if entries is None or num_top is None:
-            return None, text_offset
-        tokens, offsets = [], []
-        for entry in entries:
-            offsets.append(text_offset)
-            tokens.append(self.token_text(entry.sampled_token_id))
-            text_offset += len(tokens[-1])
-        logprobs = {
-            "tokens": tokens,
-            "token_logprobs": [e.logprob for e in entries],
-            "top_logprobs": [self._top(e, num_top) for e in entries],
-            "text_offset": offsets,
-        }
-        return logprobs, text_offset
-
-    def _top(self, entry: Logprobs, num_top: int) -> dict[str, float]:
-        top = {
-            self.token_text(t): lp
-            for t, lp in zip(entry.top_token_ids[:num_top], entry.top_logprobs[:num_top])
-        }
-        top.setdefault(self.token_text(entry.sampled_token_id), entry.logprob)
-        return top
 
     # -- stream --------------------------------------------------------------------------------
 
@@ -140,7 +121,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 final = [state.final[i] for i in sorted(state.final)]
                 sent = sum(choice.num_tokens for choice in state.choices.values())
                 counts = usage(final, completion_tokens=sent)
-                yield sse({**self._envelope(request_id, request, []), "usage": counts})
+                yield sse(self._envelope(request_id, request, [], counts))
         except Exception as exc:  # the client gets an error event, never a hung stream
             yield sse(error_payload(exc))
         finally:
@@ -154,7 +135,7 @@ class OpenAIServingCompletion(OpenAIServing):
         prompt_index: int,
         output: RequestOutput,
         state: _StreamState,
-    ) -> list[Json]:
+    ) -> list[CompletionResponseChoice]:
         if output.finished:
             state.final[prompt_index] = output
         chunks = (self._chunk(request, prompt, prompt_index, c, state) for c in output.outputs)
@@ -167,7 +148,7 @@ class OpenAIServingCompletion(OpenAIServing):
         prompt_index: int,
         completion: CompletionOutput,
         state: _StreamState,
-    ) -> Json | None:
+    ) -> CompletionResponseChoice | None:
         """The chunk of one choice's news (None if it has none); records what was sent."""
         index = prompt_index * request.n + completion.index
         sent = state.choice(index)
@@ -178,32 +159,40 @@ class OpenAIServingCompletion(OpenAIServing):
             echoed = self._prompt_text(prompt)
             text, offset = echoed + text, len(echoed)
         new_entries = completion.logprobs or []
-        logprobs, offset = self._logprobs(
-            new_entries if completion.logprobs is not None else None, request.logprobs, offset
+        logprobs, offset = completion_logprobs(
+            completion.logprobs, request.logprobs, offset, self.token_text
         )
         sent.update(completion, offset)
         if not text and not completion.finished and not new_entries:
             return None
         return _choice(index, text, logprobs, completion)
 
-    def _envelope(self, request_id: str, request: CompletionRequest, choices: list[Json]) -> Json:
-        body: Json = {
-            "id": request_id,
-            "object": "text_completion",
-            "created": now(),
-            "model": self.served_model_name,
-            "choices": choices,
-        }
-        if request.include_usage:
-            body["usage"] = None
-        return body
+    def _envelope(
+        self,
+        request_id: str,
+        request: CompletionRequest,
+        choices: list[CompletionResponseChoice],
+        counts: UsageInfo | None = None,
+    ) -> CompletionStreamResponse:
+        """A chunk of `choices`; it has `usage` (null but in the last one) if it was asked."""
+        usage_field = {"usage": counts} if request.include_usage else {}
+        return CompletionStreamResponse(
+            id=request_id,
+            object=OBJECT,
+            created=now(),
+            model=self.served_model_name,
+            choices=choices,
+            **usage_field,
+        )
 
 
-def _choice(index: int, text: str, logprobs: Json | None, completion: CompletionOutput) -> Json:
-    return {
-        "index": index,
-        "text": text,
-        "logprobs": logprobs,
-        "finish_reason": completion.finish_reason,
-        "stop_reason": completion.stop_reason,
-    }
+def _choice(
+    index: int, text: str, logprobs: CompletionLogProbs | None, completion: CompletionOutput
+) -> CompletionResponseChoice:
+    return CompletionResponseChoice(
+        index=index,
+        text=text,
+        logprobs=logprobs,
+        finish_reason=completion.finish_reason,
+        stop_reason=completion.stop_reason,
+    )

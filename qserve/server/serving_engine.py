@@ -1,28 +1,24 @@
 """What the completion and chat endpoints share: the model check, adding a batch of requests,
-collecting or merging their outputs, usage, logprob tokens and SSE chunks."""
+collecting or merging their outputs, usage, and the tokens' texts and bytes logprobs show."""
 
 from __future__ import annotations
 
 import asyncio
-import functools
-import json
 import logging
-import re
 import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any
 
 from qserve.engine.outputs import OutputAccumulator, RequestOutput
 from qserve.engine.sampling_params import SamplingParams
 from qserve.server.async_engine import AsyncLLMEngine, EngineDeadError, RequestStream
 from qserve.server.limits import RequestLimits
+from qserve.server.logprobs import is_byte_level, token_bytes
 from qserve.server.protocol import APIError
+from qserve.server.responses import ErrorResponse, UsageInfo
 
 logger = logging.getLogger("qserve")
-
-Json = dict[str, Any]
 
 
 class OpenAIServing:
@@ -105,42 +101,6 @@ class SSEStream:
     streams: list[RequestStream]
 
 
-def is_byte_level(tokenizer: Any) -> bool:
-    """Whether the tokenizer's pieces are GPT-2 style byte-level strings (one char per byte)."""
-    from tokenizers import decoders
-
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    return backend is not None and isinstance(backend.decoder, decoders.ByteLevel)
-
-
-@functools.cache
-def _unicode_to_byte() -> dict[str, int]:
-    """The inverse of GPT-2's bytes_to_unicode: printable bytes map to themselves, the others
-    to 256 + n in order."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
-                 *range(ord("®"), ord("ÿ") + 1)]  # fmt: skip
-    chars, extra = {}, 0
-    for b in range(256):
-        if b in printable:
-            chars[chr(b)] = b
-        else:
-            chars[chr(256 + extra)] = b
-            extra += 1
-    return chars
-
-
-def token_bytes(tokenizer: Any, token_id: int, byte_level: bool) -> list[int]:
-    """The bytes token `token_id` stands for: byte-level pieces mapped back to bytes,
-    SentencePiece byte-fallback pieces (`<0xE2>`) to their byte, others as UTF-8 text."""
-    piece = tokenizer.convert_ids_to_tokens(token_id)
-    table = _unicode_to_byte()
-    if byte_level and isinstance(piece, str) and all(c in table for c in piece):
-        return [table[c] for c in piece]
-    if isinstance(piece, str) and re.fullmatch(r"<0x[0-9A-Fa-f]{2}>", piece):
-        return [int(piece[3:5], 16)]
-    return list(tokenizer.decode([token_id]).encode("utf-8"))
-
-
 def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
@@ -199,31 +159,26 @@ async def merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Reques
         close_all(streams)
 
 
-def usage(outputs: list[RequestOutput], completion_tokens: int | None = None) -> Json:
+def usage(outputs: list[RequestOutput], completion_tokens: int | None = None) -> UsageInfo:
     """OpenAI's usage of whole `outputs`; a stream, whose last outputs are deltas, gives the
     completion tokens it counted."""
     prompt_tokens = sum(len(o.prompt_token_ids) for o in outputs)
     if completion_tokens is None:
         completion_tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
-    return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-    }
+    return UsageInfo(
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
+        total_tokens=prompt_tokens + completion_tokens,
+    )
 
 
-def sse(payload: Json) -> str:
-    """One SSE `data:` payload (EventSourceResponse adds the framing)."""
-    return json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
-
-
-def error_payload(exc: Exception) -> Json:
+def error_payload(exc: Exception) -> ErrorResponse:
     """The error event a stream ends with when its request cannot finish."""
     if isinstance(exc, APIError):
-        return exc.body()
+        return exc.response()
     if not isinstance(exc, EngineDeadError):
         logger.exception("a stream failed", exc_info=exc)
-    return APIError(str(exc) or repr(exc), status_code=500, type="server_error").body()
+    return APIError(str(exc) or repr(exc), status_code=500, type="server_error").response()
 
 
 def now() -> int:

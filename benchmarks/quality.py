@@ -169,12 +169,17 @@ _DTYPE_BYTES = {"F32": 4, "I32": 4, "F16": 2, "BF16": 2, "I8": 1, "U8": 1, "F8_E
 def quantize(model: Path, method: Method, out: Path, args: argparse.Namespace) -> float:
     """Write `method`'s checkpoint into `out`; returns the seconds it took."""
     from qserve.quantize.driver import quantize_model
+    from qserve.quantize.settings import QuantizeSettings
 
     if method.tool != "qserve":
         return quantize_third_party(model, method, out, args)
     start = time.monotonic()
     quantize_model(
-        model, out, num_samples=args.num_samples, seq_len=args.calib_seq_len, **method.quantize
+        model,
+        out,
+        QuantizeSettings(
+            num_samples=args.num_samples, seq_len=args.calib_seq_len, **method.quantize
+        ),
     )
     return time.monotonic() - start
 

@@ -1,12 +1,15 @@
-"""Engine configuration: one frozen dataclass, checked once, derived values as properties."""
+"""Engine configuration: one frozen dataclass, checked once, derived values as properties.
+
+Its fields are the engine's CLI options and a recipe's `serve:` keys (`qserve.options`)."""
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Annotated, Literal
 
 from qserve.errors import QServeError
+from qserve.options import Range, check_fields, setting
 from qserve.platform import native_half_matmul
 
 if TYPE_CHECKING:  # torch is imported lazily so that recipes and the CLI start fast
@@ -26,7 +29,6 @@ _UNITS = {
 }
 _MEMORY = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 
-DTYPES = ("float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = {"fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
 
 
@@ -41,33 +43,49 @@ def parse_memory(text: str | int) -> int:
     return int(float(m.group(1)) * _UNITS[unit])
 
 
+Dtype = Literal["auto", "float32", "bfloat16", "float16"]
+KVCacheDtype = Literal["auto", "fp8_e4m3", "fp8_e5m2"]
+_DEVICE = re.compile(r"^(cpu|cuda(:\d+)?)$")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
-    model: str | None = None  # folder, .gguf, hub id or built-in alias; None = smollm2-135m
-    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
-    device: str = "cpu"
-    block_size: int = 16  # tokens per KV block
-    kv_cache_memory: int | str = "1GiB"
-    kv_cache_dtype: str = "auto"  # auto | fp8_e4m3 | fp8_e5m2
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    max_model_len: int | None = None  # None: the model's context, capped by the KV cache
-    enable_prefix_caching: bool = True
-    num_threads: int | None = None
+    """Every engine option (`generate`, `serve`, `eval` flags and recipe `serve:` keys)."""
+
+    model: str | None = setting(None, "Folder, .gguf, hub id or built-in alias.",
+                                default_text="smollm2-135m")  # fmt: skip
+    dtype: Dtype = setting(
+        "auto", "Activation dtype; auto: bf16 on CUDA and AMX/AVX512-BF16 CPUs, else fp32."
+    )
+    device: str = setting("cpu", "cpu, cuda or cuda:N.")
+    block_size: Annotated[int, Range(1)] = setting(16, "Tokens per KV block.")
+    kv_cache_memory: int | str = setting("1GiB", "Memory for KV pages, e.g. 2GiB, 512MiB.")
+    kv_cache_dtype: KVCacheDtype = setting(
+        "auto", "KV cache page dtype (fp8: scaled by the checkpoint's k_scale/v_scale)."
+    )
+    max_num_seqs: Annotated[int, Range(1)] = setting(64, "Sequences decoded together.")
+    max_num_batched_tokens: Annotated[int, Range(1)] = setting(2048, "Token budget of one step.")
+    max_model_len: Annotated[int, Range(2)] | None = setting(
+        None, "Context limit (prompt + output).", default_text="the model's"
+    )
+    enable_prefix_caching: bool = setting(True, "Share the KV blocks of common prompt prefixes.")
+    num_threads: Annotated[int, Range(1)] | None = setting(
+        None, "torch CPU threads.", default_text="torch's"
+    )
 
     def __post_init__(self) -> None:
-        if self.dtype != "auto" and self.dtype not in DTYPES:
-            raise QServeError(f"unknown dtype {self.dtype!r}; expected auto, {', '.join(DTYPES)}")
-        if self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            allowed = ", ".join(["auto", *KV_CACHE_DTYPES])
-            raise QServeError(f"unknown kv_cache_dtype {self.kv_cache_dtype!r}; expected {allowed}")
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
-            if getattr(self, name) < 1:
-                raise QServeError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.max_model_len is not None and self.max_model_len < 2:
-            raise QServeError(f"max_model_len must be >= 2, got {self.max_model_len}")
-        if self.kv_cache_memory_bytes <= 0:
-            raise QServeError(f"kv_cache_memory must be positive, got {self.kv_cache_memory}")
+        check_fields(self)
+        if not _DEVICE.match(self.device):
+            raise QServeError(
+                f"device: expected cpu, cuda or cuda:N, got {self.device!r}", "device"
+            )
+        try:
+            size = self.kv_cache_memory_bytes
+        except QServeError as exc:
+            raise QServeError(f"kv_cache_memory: {exc}", "kv_cache_memory") from None
+        if size <= 0:
+            message = f"kv_cache_memory: must be positive, got {self.kv_cache_memory}"
+            raise QServeError(message, "kv_cache_memory")
 
     @property
     def kv_cache_memory_bytes(self) -> int:

@@ -2,13 +2,14 @@
 
     description: one line            hardware: what it is for        why: why the choices fit
     requires:  device cuda|cpu, min_compute_capability, min_memory, gpu_names, cpu_features
-    quantize:  method + the driver's knobs (bits, group_size, sym, desc_act, calib, ...)
-    serve:     the engine's knobs (dtype, kv_cache_dtype, block_size, kv_cache_memory, ...)
+    quantize:  QuantizeSettings fields (method, bits, group_size, sym, desc_act, calib, ...)
+    serve:     EngineConfig fields (dtype, kv_cache_dtype, block_size, kv_cache_memory, ...)
 
-Keys are the parameter names of `qserve.quantize.driver.quantize_model` and of the CLI engine
-options, so a recipe is a file form of the flags, not a second set of knobs. Parsing is strict:
+The quantize and serve sections are those two settings types (`qserve.options`): a key is a
+field name, which is also the CLI flag's name, so a recipe is a file form of the flags, not a
+second set of knobs, and each section is checked by its type's one validator. Parsing is strict:
 an unknown key, a wrong type, an unknown value or a contradiction raises a one-line QServeError
-naming the file and the key. Explicit CLI flags override the recipe (`apply_recipe`).
+naming the file and the key. Explicit CLI flags override the recipe (`merge_settings`).
 
 This module imports no torch; only `detect_hardware` does, inside the function.
 """
@@ -19,17 +20,16 @@ import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from qserve.config import parse_memory
+from qserve.config import EngineConfig, parse_memory
 from qserve.errors import QServeError
+from qserve.options import excerpt, parse_section
 from qserve.platform import Hardware, detect_hardware
-
-if TYPE_CHECKING:
-    import click
+from qserve.quantize.settings import QuantizeSettings
 
 FP8_MIN_CAPABILITY = 8.9  # FP8 tensor cores (Ada sm_89, Hopper sm_90); Triton's fp8e4nv too
 AUTO = "auto"
@@ -56,52 +56,6 @@ class Requires(_Section):
         return _memory(value)
 
 
-class Quantize(_Section):
-    """`qserve quantize` settings: the keyword arguments of `quantize_model`, plus the KV
-    cache dtype the checkpoint is meant to be served with."""
-
-    method: Literal["rtn", "gptq", "awq", "int8", "fp8"]
-    bits: Literal[4, 8] | None = None
-    group_size: Literal[-1, 32, 64, 128, "auto"] | None = None
-    sym: bool | None = None
-    desc_act: bool | None = None
-    damp: float | None = Field(None, ge=0, lt=1)
-    static_groups: bool | None = None
-    mse: bool | None = None
-    act_group_aware: bool | None = None
-    gptaq: bool | None = None  # gptq: asymmetric calibration (the float model's outputs)
-    quantize_lm_head: bool | None = None
-    calib: str | None = None  # .txt / .jsonl; None: the bundled text
-    num_samples: int | None = Field(None, ge=1)
-    seq_len: int | None = Field(None, ge=16)  # as --seq-len
-    ignore: list[str] | None = None
-    smooth_alpha: float | None = Field(None, le=1)
-    weight_strategy: Literal["channel", "tensor"] | None = None
-    activation_scheme: Literal["dynamic", "static"] | None = None
-    gptq_weights: bool | None = None  # int8 / fp8: GPTQ rounding (needs calibration data)
-    dtype: Literal["float16", "bfloat16", "float32"] | None = None
-    kv_cache_dtype: Literal["auto", "fp8_e4m3", "fp8_e5m2"] | None = None
-
-
-class Serve(_Section):
-    """`qserve serve` / `generate` settings: the names of the engine options."""
-
-    device: str | None = Field(None, pattern=r"^(cpu|cuda(:\d+)?)$")  # default: requires.device
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] | None = None
-    kv_cache_dtype: Literal["auto", "fp8_e4m3", "fp8_e5m2"] | None = None
-    block_size: int | None = Field(None, ge=1)
-    kv_cache_memory: str | None = None  # e.g. 40GiB
-    max_num_seqs: int | None = Field(None, ge=1)
-    max_num_batched_tokens: int | None = Field(None, ge=1)
-    max_model_len: int | None = Field(None, ge=2)
-    enable_prefix_caching: bool | None = None
-
-    @field_validator("kv_cache_memory")
-    @classmethod
-    def _memory_size(cls, value: str | None) -> str | None:
-        return _memory(value)
-
-
 class RecipeSpec(_Section):
     """The whole file."""
 
@@ -109,8 +63,8 @@ class RecipeSpec(_Section):
     hardware: str
     why: str
     requires: Requires
-    quantize: Quantize
-    serve: Serve = Serve()
+    quantize: dict[str, Any]  # QuantizeSettings fields, checked by `load_recipe`
+    serve: dict[str, Any] = {}  # EngineConfig fields but model
 
 
 def _memory(value: str | None) -> str | None:
@@ -124,35 +78,25 @@ class Recipe:
     name: str  # the file's stem
     path: Path
     spec: RecipeSpec
-
-    @property
-    def quantize(self) -> Quantize:
-        return self.spec.quantize
-
-    @property
-    def serve(self) -> Serve:
-        return self.spec.serve
+    quantize_values: dict[str, Any]  # the keys the recipe sets, checked
+    serve_values: dict[str, Any]  # the same, with device defaulting to requires.device
+    quantize: QuantizeSettings
+    serve: EngineConfig
 
     @property
     def requires(self) -> Requires:
         return self.spec.requires
 
-    @property
-    def serve_values(self) -> dict[str, Any]:
-        """The serve settings the recipe sets, with the device defaulting to requires.device."""
-        return {"device": self.requires.device} | section_values(self.serve)
+    def section_values(self, section: str) -> dict[str, Any]:
+        """The keys the "quantize" or "serve" section sets."""
+        return dict(self.quantize_values if section == "quantize" else self.serve_values)
 
     def summary(self) -> str:
         """One line for `recipes list`: name, target, method, KV dtype, description."""
-        q, kv = self.quantize, self.serve.kv_cache_dtype or "auto"
-        method = q.method + (f" w{q.bits}" if q.bits else "")
+        bits, kv = self.quantize_values.get("bits"), self.serve.kv_cache_dtype
+        method = self.quantize.method + (f" w{bits}" if bits else "")
         target = _target(self.requires)
         return f"{self.name:<28} {target:<22} {method:<9} kv {kv:<9} {self.spec.description}"
-
-
-def section_values(section: BaseModel) -> dict[str, Any]:
-    """The keys a recipe section sets (None means 'not set': the CLI default stays)."""
-    return section.model_dump(exclude_none=True)
 
 
 def _target(req: Requires) -> str:
@@ -242,9 +186,20 @@ def load_recipe(path: Path) -> Recipe:
         spec = RecipeSpec.model_validate(data)
     except ValidationError as exc:
         raise QServeError(f"recipe {path}: {_describe(exc)}", "recipe") from None
-    for key, reason in contradictions(spec):
+    section = "quantize"
+    try:
+        quantize_values = parse_section(QuantizeSettings, spec.quantize)
+        quantize = QuantizeSettings(**quantize_values)
+        section = "serve"
+        serve_values = {"device": spec.requires.device}
+        serve_values |= parse_section(EngineConfig, spec.serve, skip=("model",))
+        serve = EngineConfig(**serve_values)
+    except QServeError as exc:
+        raise QServeError(f"recipe {path}: {section}.{exc}", "recipe") from None
+    recipe = Recipe(path.stem, path, spec, quantize_values, serve_values, quantize, serve)
+    for key, reason in contradictions(recipe):
         raise QServeError(f"recipe {path}: {key}: {reason}", "recipe")
-    return Recipe(path.stem, path, spec)
+    return recipe
 
 
 def dump_recipe(spec: RecipeSpec) -> str:
@@ -264,15 +219,9 @@ def _describe(exc: ValidationError) -> str:
     if kind == "missing":
         return f"{key}: missing"
     if kind == "literal_error":
-        return f"{key}: {_excerpt(err['input'])} is not allowed (allowed: {_allowed(err)})"
+        return f"{key}: {excerpt(err['input'])} is not allowed (allowed: {_allowed(err)})"
     msg = str(err["msg"]).removeprefix("Value error, ")
-    return f"{key}: {msg}, got {_excerpt(err['input'])}".replace("\n", " ")
-
-
-def _excerpt(value: Any, limit: int = 60) -> str:
-    """repr(value), cut short: an error line never echoes more than a few words of input."""
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
+    return f"{key}: {msg}, got {excerpt(err['input'])}".replace("\n", " ")
 
 
 def _allowed(err: Any) -> str:
@@ -291,37 +240,20 @@ def _section_model(loc: list[str]) -> type[BaseModel]:
 
 # ------------------------------------------------------------------------ contradictions
 
-Rule = Callable[[RecipeSpec], "tuple[str, str] | None"]
-
-# which methods read each quantize option (the others would silently ignore it)
-_OPTION_METHODS = {
-    "desc_act": ("gptq",),
-    "damp": ("gptq",),
-    "static_groups": ("gptq",),
-    "mse": ("gptq",),
-    "act_group_aware": ("gptq",),
-    "gptaq": ("gptq",),
-    "quantize_lm_head": ("rtn", "gptq"),
-    "sym": ("rtn", "gptq"),
-    "smooth_alpha": ("int8",),
-    "weight_strategy": ("int8", "fp8"),
-    "activation_scheme": ("int8", "fp8"),
-    "gptq_weights": ("int8", "fp8"),
-}
-_METHOD_BITS = {"rtn": (4, 8), "gptq": (4, 8), "awq": (4,), "int8": (8,), "fp8": (8,)}
+Rule = Callable[[Recipe], "tuple[str, str] | None"]
 
 
-def _cc(spec: RecipeSpec) -> float | None:
-    req = spec.requires
+def _cc(recipe: Recipe) -> float | None:
+    req = recipe.requires
     return req.min_compute_capability if req.device == "cuda" else None
 
 
-def _fp8_matmul(spec: RecipeSpec) -> tuple[str, str] | None:
-    if spec.quantize.method != "fp8":
+def _fp8_matmul(recipe: Recipe) -> tuple[str, str] | None:
+    if recipe.quantize.method != "fp8":
         return None
-    if spec.requires.device == "cpu":
+    if recipe.requires.device == "cpu":
         return "quantize.method", "fp8 has no CPU matmul kernel (weights would be dequantized)"
-    cc = _cc(spec)
+    cc = _cc(recipe)
     if cc is None or cc < FP8_MIN_CAPABILITY:
         return "quantize.method", (
             f"fp8 matmuls need compute capability >= {FP8_MIN_CAPABILITY}, but "
@@ -330,10 +262,10 @@ def _fp8_matmul(spec: RecipeSpec) -> tuple[str, str] | None:
     return None
 
 
-def _fp8_kv_reader(spec: RecipeSpec) -> tuple[str, str] | None:
-    if spec.serve.kv_cache_dtype != "fp8_e4m3" or spec.requires.device != "cuda":
+def _fp8_kv_reader(recipe: Recipe) -> tuple[str, str] | None:
+    if recipe.serve.kv_cache_dtype != "fp8_e4m3" or recipe.requires.device != "cuda":
         return None
-    cc = _cc(spec)
+    cc = _cc(recipe)
     if cc is None or cc < FP8_MIN_CAPABILITY:
         return "serve.kv_cache_dtype", (
             "the Triton paged-attention kernel reads fp8_e4m3 pages only on compute capability "
@@ -343,40 +275,18 @@ def _fp8_kv_reader(spec: RecipeSpec) -> tuple[str, str] | None:
     return None
 
 
-def _kv_mismatch(spec: RecipeSpec) -> tuple[str, str] | None:
-    made_for = spec.quantize.kv_cache_dtype
-    served = spec.serve.kv_cache_dtype or "auto"
-    if made_for in (None, "auto") or made_for == served:
+def _kv_mismatch(recipe: Recipe) -> tuple[str, str] | None:
+    made_for, served = recipe.quantize.kv_cache_dtype, recipe.serve.kv_cache_dtype
+    if made_for == "auto" or made_for == served:
         return None
     return "serve.kv_cache_dtype", (
         f"{served} contradicts quantize.kv_cache_dtype {made_for} (the checkpoint's KV scales)"
     )
 
 
-def _bits(spec: RecipeSpec) -> tuple[str, str] | None:
-    q = spec.quantize
-    allowed = _METHOD_BITS[q.method]
-    if q.bits is not None and q.bits not in allowed:
-        return "quantize.bits", f"{q.method} takes bits {'/'.join(map(str, allowed))}, got {q.bits}"
-    if q.method == "awq" and q.group_size == -1:
-        return "quantize.group_size", "awq needs a group size (allowed: 32, 64, 128)"
-    if q.group_size is not None and q.method in ("int8", "fp8"):
-        return "quantize.group_size", f"{q.method} is per channel or per tensor, not grouped"
-    return None
-
-
-def _unused_option(spec: RecipeSpec) -> tuple[str, str] | None:
-    q = spec.quantize
-    for name, methods in _OPTION_METHODS.items():
-        if getattr(q, name) is not None and q.method not in methods:
-            users = ", ".join(methods)
-            return f"quantize.{name}", f"only {users} use it, but method is {q.method}"
-    return None
-
-
-def _device(spec: RecipeSpec) -> tuple[str, str] | None:
-    req, device = spec.requires, spec.serve.device
-    if device is not None and device.split(":")[0] != req.device:
+def _device(recipe: Recipe) -> tuple[str, str] | None:
+    req, device = recipe.requires, recipe.serve.device
+    if device.split(":")[0] != req.device:
         return "serve.device", f"{device} contradicts requires.device {req.device}"
     cuda_only = {"min_compute_capability": req.min_compute_capability, "gpu_names": req.gpu_names}
     cpu_only = {"cpu_features": req.cpu_features}
@@ -386,29 +296,26 @@ def _device(spec: RecipeSpec) -> tuple[str, str] | None:
     return None
 
 
-def _cpu_kernels(spec: RecipeSpec) -> tuple[str, str] | None:
-    if spec.requires.device == "cpu" and spec.serve.dtype == "float32":
+def _cpu_kernels(recipe: Recipe) -> tuple[str, str] | None:
+    """torch's CPU int8 weight-only kernel (int8 W8A8, 8-bit GPTQ) takes only 16-bit
+    activations; the C++ W4 kernel takes fp32 too."""
+    q = recipe.quantize
+    int8_kernel = q.method == "int8" or (q.method in ("rtn", "gptq") and q.bits == 8)
+    cpu = recipe.requires.device == "cpu"
+    if cpu and int8_kernel and recipe.serve.dtype == "float32":
         return "serve.dtype", (
-            "torch's CPU int4/int8 weight-only kernels need bfloat16/float16 activations "
+            "torch's CPU int8 weight-only kernel needs bfloat16/float16 activations "
             "(allowed here: auto, bfloat16, float16)"
         )
     return None
 
 
-RULES: tuple[Rule, ...] = (
-    _bits,
-    _unused_option,
-    _device,
-    _fp8_matmul,
-    _fp8_kv_reader,
-    _kv_mismatch,
-    _cpu_kernels,
-)
+RULES: tuple[Rule, ...] = (_device, _fp8_matmul, _fp8_kv_reader, _kv_mismatch, _cpu_kernels)
 
 
-def contradictions(spec: RecipeSpec) -> list[tuple[str, str]]:
+def contradictions(recipe: Recipe) -> list[tuple[str, str]]:
     """(key, reason) for each quantization / serving / hardware choice that contradicts another."""
-    return [found for rule in RULES if (found := rule(spec)) is not None]
+    return [found for rule in RULES if (found := rule(recipe)) is not None]
 
 
 # ---------------------------------------------------------------------------- hardware
@@ -457,40 +364,16 @@ def _name(recipe: Recipe) -> str:
 
 # ----------------------------------------------------------------------- CLI precedence
 
-# recipe key -> (CLI parameter name, recipe value -> CLI value)
-CLI_NAMES: dict[str, tuple[str, Callable[[Any], Any]]] = {
-    "enable_prefix_caching": ("no_prefix_caching", lambda enabled: not enabled),  # serve
-    "calib": ("calib_data", str),  # quantize --calib-data
-    "ignore": ("ignore", tuple),  # quantize --ignore (multiple=True gives a tuple)
-}
 
-
-def explicit_params(ctx: click.Context, names: Iterable[str]) -> set[str]:
-    """The CLI parameters the user gave (command line, environment, prompt), not defaults."""
-    import click
-
-    given = {click.core.ParameterSource.COMMANDLINE, click.core.ParameterSource.ENVIRONMENT}
-    given.add(click.core.ParameterSource.PROMPT)
-    return {n for n in names if ctx.get_parameter_source(n) in given}
-
-
-def apply_recipe(
-    values: Mapping[str, Any], cli_values: Mapping[str, Any], ctx: click.Context
-) -> tuple[dict[str, Any], dict[str, str]]:
-    """Merge recipe `values` (`section_values(...)` or `Recipe.serve_values`) into the
-    command's parameters: explicit flags win, the recipe beats click's defaults.
-
-    Returns (merged parameters, origin of each recipe-covered or explicit key: 'cli' | 'recipe').
-    Recipe keys without a CLI flag (e.g. damp when quantize has no --damp) are added as is.
-    """
-    merged, origin = dict(cli_values), {}
-    explicit = explicit_params(ctx, cli_values)
-    origin.update(dict.fromkeys(explicit, "cli"))
-    for key, value in values.items():
-        name, convert = CLI_NAMES.get(key, (key, lambda v: v))
-        if name not in explicit:
-            merged[name], origin[name] = convert(value), "recipe"
-    return merged, origin
+def merge_settings(
+    cls: type, given: Mapping[str, Any], recipe: Recipe | None, section: str
+) -> tuple[Any, dict[str, str]]:
+    """`cls` (QuantizeSettings for "quantize", EngineConfig for "serve") from the values a
+    command line `given`, over the recipe's `section`, over the field defaults; and where each
+    set value came from ('cli' | 'recipe')."""
+    values = recipe.section_values(section) if recipe is not None else {}
+    origin = dict.fromkeys(values, "recipe") | dict.fromkeys(given, "cli")
+    return cls(**(values | dict(given))), origin
 
 
 def format_settings(values: Mapping[str, Any], origin: Mapping[str, str]) -> str:

@@ -38,7 +38,7 @@ import contextlib
 import dataclasses
 import inspect
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -85,100 +85,43 @@ Progress = Callable[[int, int, float], None]  # (blocks done, total blocks, seco
 def quantize_model(
     model_path: str | Path,
     output_dir: str | Path | None = None,
-    method: str = "gptq",
-    bits: int = 4,
-    group_size: int | str = "auto",
-    sym: bool = True,
-    desc_act: bool = False,
-    damp: float = 0.01,
-    static_groups: bool = False,
-    mse: bool = False,
-    act_group_aware: bool = True,
-    gptaq: bool | None = None,
-    gptaq_alpha: float = 0.25,
-    quantize_lm_head: bool = False,
-    calib: str | Path | None = None,
-    num_samples: int = 128,
-    seq_len: int = 512,
-    ignore: Iterable[str] = ("lm_head",),
-    smooth_alpha: float = 0.5,
-    weight_strategy: str = "channel",
-    activation_scheme: str = "dynamic",
-    gptq_weights: bool | None = None,
-    dtype: str | None = None,
-    scales_path: str | Path | None = None,
-    kv_cache_dtype: str | None = "auto",
+    settings: QuantizeSettings | None = None,
+    *,
+    scales: str | Path | None = None,
     device: str | None = None,
+    offload_dir: str | Path | None = None,
     overwrite: bool = False,
     progress: Progress | None = None,
-    offload_dir: str | Path | None = None,
     model_name: str | None = None,
     provenance: Mapping[str, Any] | None = None,
 ) -> Path:
-    """Quantize the HF model folder `model_path` into a checkpoint folder `output_dir`.
+    """Quantize the HF model folder `model_path` into a checkpoint folder `output_dir`, as
+    `settings` says (default: `QuantizeSettings()`, GPTQ W4 with GPTAQ). Returns the folder.
 
     `output_dir` None: `./<model_name>-<scheme>` in the current folder (`default_output_dir`;
     `model_name` defaults to the name of `model_path`'s folder). `provenance`: what made the
     checkpoint (the CLI's recipe and options), written as PROVENANCE_FILE inside the checkpoint
     before it is moved into place; by default the settings used.
 
-    `group_size` "auto": the largest of 128, 64, 32 that divides every quantized linear's input
-    size (128 for most models, 64 for SmolLM2's hidden size 576).
-    `calib`: a .txt / .jsonl file, or None for the bundled Moby-Dick chapters. `ignore`: module
-    names (exact, a dotted suffix, or "re:<regex>") left unquantized. `dtype`: of the tensors left
-    in floating point (default float16 for GPTQ/AWQ formats, bfloat16 for int8/fp8). AWQ is
-    always asymmetric (`sym` is ignored). `scales_path` (awq, int8): where the AWQ/SmoothQuant
-    search result is saved, or, if the file exists, replayed from without calibration; the
-    result is also saved in the checkpoint as SEARCH_FILE.
-    `mse` (gptq): search each group's range (GPTQ's MSE grid) instead of taking min / max.
-    `act_group_aware` (gptq without desc_act): visit whole groups in Group Aware Reordering
-    order (GPTQModel's default); the checkpoint keeps consecutive groups (no g_idx permutation).
-    `gptaq` (gptq; on unless False): GPTAQ's asymmetric calibration: each linear is fitted to
-    the full-precision model's output on the full-precision inputs, from the inputs the quantized
-    model gives it, with weight `gptaq_alpha` on the correction (0.25, as GPTQModel). False is
-    plain GPTQ (GPTQModel's default); the checkpoint format is the same.
-    `quantize_lm_head` (rtn, gptq): lm_head is quantized too, by the same method, bits and groups
-    (GPTQ on the final-norm hidden states; untied from the embeddings, which stay in floating
-    point); the config says "lm_head": true, as GPTQModel writes it and vLLM reads it.
-    `gptq_weights` (int8, fp8; on unless False): round the weights with GPTQ's error feedback
-    (as llm-compressor's SmoothQuant + GPTQ W8A8 recipe) instead of to nearest; same scales and
-    format. It needs calibration data; False makes dynamic fp8 data-free.
-    `kv_cache_dtype` fp8_e4m3 | fp8_e5m2: also write calibrated k_scale / v_scale per attention
-    layer (every method then needs calibration data); "auto" or None: no KV scales.
-    `device`: where each block is calibrated and quantized (cpu, cuda, cuda:N; default cuda when
-    available, else cpu). `offload_dir`: keep the decoder blocks on disk instead of in memory,
-    reading each from the checkpoint's safetensors when it is calibrated; a temporary folder
-    inside `offload_dir` (created if missing) holds the quantized blocks until export and is
-    removed at the end, even on error. Returns the output folder.
+    These say where and how the run goes, not what the checkpoint is (a recipe cannot set them):
+    `scales` (awq, int8): where the AWQ/SmoothQuant search result is saved, or, if the file
+    exists, replayed from without calibration; the result is also saved in the checkpoint as
+    SEARCH_FILE. `device`: where each block is calibrated and quantized (cpu, cuda, cuda:N;
+    default cuda when available, else cpu). `offload_dir`: keep the decoder blocks on disk
+    instead of in memory, reading each from the checkpoint's safetensors when it is calibrated;
+    a temporary folder inside `offload_dir` (created if missing) holds the quantized blocks
+    until export and is removed at the end, even on error. `overwrite`: replace a non-empty
+    `output_dir`.
     """
     from transformers import AutoConfig, AutoTokenizer
 
-    settings = QuantizeSettings(
-        method=method,
-        bits=bits,
-        group_size=group_size,
-        sym=sym if method != "awq" else False,
-        desc_act=desc_act,
-        damp=damp,
-        static_groups=static_groups,
-        mse=mse,
-        act_group_aware=act_group_aware,
-        gptaq=gptaq,
-        gptaq_alpha=gptaq_alpha,
-        quantize_lm_head=quantize_lm_head,
-        ignore=tuple(ignore),
-        smooth_alpha=smooth_alpha,
-        weight_strategy=weight_strategy,
-        activation_scheme=activation_scheme,
-        gptq_weights=gptq_weights,
-        kv_cache_dtype=kv_cache_dtype or "auto",
-    )
+    settings = settings if settings is not None else QuantizeSettings()
     working_device = resolve_device(device)
-    float_dtype = out_dtype(dtype, method)
+    float_dtype = out_dtype(settings.dtype, settings.method)
     if not Path(model_path, "config.json").is_file():
         raise QServeError(f"{model_path} is not a model folder (no config.json)", param="model")
-    if scales_path is not None and Path(scales_path).is_dir():
-        raise QServeError(f"scales file {scales_path} is a folder", param="scales_path")
+    if scales is not None and Path(scales).is_dir():
+        raise QServeError(f"scales file {scales} is a folder", param="scales")
     config = AutoConfig.from_pretrained(model_path)
     spec = arch_spec(config.model_type)
     skeleton = meta_model(config)
@@ -195,22 +138,22 @@ def quantize_model(
         check_group_size(model, spec, settings)
 
         searched = settings.searches_scales
-        replay = searched and scales_path is not None and Path(scales_path).is_file()
-        scales = ScaleResult.load(scales_path) if replay else ScaleResult()
+        replay = searched and scales is not None and Path(scales).is_file()
+        found = ScaleResult.load(scales) if replay else ScaleResult()
         if replay and blocks is None:
-            scales.apply(model, settings.group_size)
+            found.apply(model, settings.group_size)
         elif replay:
-            blocks.set_replay(scales)
+            blocks.set_replay(found)
         input_ids = None
         if settings.needs_calibration(replay):
-            text = load_calibration_text(calib)
-            input_ids = calibration_windows(tokenizer, text, num_samples, seq_len)
+            text = load_calibration_text(settings.calib)
+            input_ids = calibration_windows(tokenizer, text, settings.num_samples, settings.seq_len)
         results = quantize_blocks(
-            model, spec, settings, input_ids, None if replay else scales, progress,
+            model, spec, settings, input_ids, None if replay else found, progress,
             working_device, blocks,
         )  # fmt: skip
-        if searched and scales_path is not None and not replay:
-            scales.save(scales_path)
+        if searched and scales is not None and not replay:
+            found.save(scales)
 
         with output_dir_rules.staging_dir(output_dir, overwrite, model_path) as tmp:
             export.write_quantized(
@@ -218,7 +161,7 @@ def quantize_model(
             )
             if searched:  # replayable with --scales; a subfolder, so no loader takes it for weights
                 (tmp / SEARCH_FILE).parent.mkdir()
-                scales.save(tmp / SEARCH_FILE)
+                found.save(tmp / SEARCH_FILE)
             made_by = provenance or {"recipe": None, "effective": dataclasses.asdict(settings)}
             export.write_provenance(tmp, dict(made_by))
     return Path(output_dir)

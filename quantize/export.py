@@ -44,7 +44,7 @@ from qserve.quantize.kv_scales import kv_scale
 from qserve.quantize.results import BlockResults
 from qserve.quantize.rtn import QuantizedWeight
 from qserve.quantize.safetensors_merge import merge_safetensors
-from qserve.quantize.settings import QuantizeSettings
+from qserve.quantize.settings import GPTQ_DAMP, QuantizeSettings
 
 if TYPE_CHECKING:
     from qserve.quantize.offload import BlockOffload
@@ -305,8 +305,9 @@ def quantization_config(
         qconfig = compressed_tensors_config(kind, s.weight_strategy, static, skipped, kv)
         return qconfig, {}
     gptq = s.method == "gptq"  # rtn writes the same format, with natural order and no Hessian
+    damp = s.damp if gptq else GPTQ_DAMP  # GPTQModel records its default for RTN too
     qconfig = gptq_config(
-        s.bits, s.group_size, s.sym, s.desc_act and gptq, s.damp, s.static_groups and gptq,
+        s.bits, s.group_size, s.sym, bool(s.desc_act), damp, bool(s.static_groups),
         true_sequential=gptq,
     )  # fmt: skip
     if "lm_head" in quantized:

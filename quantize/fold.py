@@ -96,14 +96,14 @@ class ScaleResult:
             tensors = load_file(str(path))
         except (OSError, SafetensorError) as exc:
             raise QServeError(
-                f"scales file {path} is not a saved scale search ({exc})", param="scales_path"
+                f"scales file {path} is not a saved scale search ({exc})", param="scales"
             ) from None
         result = cls()
         if any(key.split(":", 1)[0] not in ("scale", "clip") for key in tensors):
-            raise QServeError(f"scales file {path} is not a saved scale search", "scales_path")
+            raise QServeError(f"scales file {path} is not a saved scale search", "scales")
         for name in filter(None, meta.get("order", "").split(",")):
             if f"scale:{name}" not in tensors:
-                raise QServeError(f"scales file {path} lacks the scales of {name}", "scales_path")
+                raise QServeError(f"scales file {path} lacks the scales of {name}", "scales")
             result.scales[name] = tensors[f"scale:{name}"]
         for key, value in tensors.items():
             kind, name = key.split(":", 1)

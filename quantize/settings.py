@@ -10,11 +10,12 @@ from __future__ import annotations
 import dataclasses
 import re
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any, Literal, get_args
 
 from qserve.errors import QServeError
+from qserve.options import Range, check_fields, setting
 from qserve.quantize.arch import ArchSpec
-from qserve.quantize.kv_scales import check_kv_cache_dtype
 
 if TYPE_CHECKING:
     import torch
@@ -30,66 +31,137 @@ __all__ = [
     "out_dtype",
 ]
 
-METHODS = ("rtn", "gptq", "awq", "int8", "fp8")
+Method = Literal["rtn", "gptq", "awq", "int8", "fp8"]
+GroupSize = Literal[-1, 32, 64, 128, "auto"]
+KVCacheDtype = Literal["auto", "fp8_e4m3", "fp8_e5m2"]
+METHODS: tuple[str, ...] = get_args(Method)
 GROUP_SIZES = (128, 64, 32)  # what the formats and kernels take; "auto" picks the largest fitting
+
+
+# Which methods read each option, and its default for them. An option a method does not read
+# stays None; given for such a method it is refused (it would be silently ignored).
+METHOD_DEFAULTS: dict[str, dict[str, Any]] = {
+    "bits": {"rtn": 4, "gptq": 4, "awq": 4, "int8": 8, "fp8": 8},
+    "group_size": {"rtn": "auto", "gptq": "auto", "awq": "auto"},
+    "sym": {"rtn": True, "gptq": True, "awq": False},
+    "desc_act": {"gptq": False},
+    "damp": {"gptq": 0.01, "int8": 0.01, "fp8": 0.01},
+    "static_groups": {"gptq": False},
+    "mse": {"gptq": False},
+    "act_group_aware": {"gptq": True},
+    "gptaq": {"gptq": True},
+    "gptaq_alpha": {"gptq": 0.25},
+    "quantize_lm_head": {"rtn": False, "gptq": False},
+    "smooth_alpha": {"int8": 0.5},
+    "weight_strategy": {"int8": "channel", "fp8": "channel"},
+    "activation_scheme": {"int8": "dynamic", "fp8": "dynamic"},
+    "gptq_weights": {"int8": True, "fp8": True},
+}
+METHOD_BITS = {"rtn": (4, 8), "gptq": (4, 8), "awq": (4,), "int8": (8,), "fp8": (8,)}
+GPTQ_DAMP = 0.01  # what a GPTQ-format config records as damp_percent when no Hessian was damped
 
 
 @dataclasses.dataclass(frozen=True)
 class QuantizeSettings:
-    """What to quantize and how; checked once in __post_init__."""
+    """What to quantize and how: every `qserve quantize` option and recipe `quantize:` key,
+    checked once in __post_init__. Options a method does not read are None."""
 
-    method: str = "gptq"
-    bits: int = 4
-    group_size: int | str = 128  # "auto": resolved per model by `auto_group_size`
-    sym: bool = True
-    desc_act: bool = False
-    damp: float = 0.01
-    static_groups: bool = False
-    mse: bool = False  # gptq: MSE grid search of each group's range
-    act_group_aware: bool = True  # gptq without desc_act: group-aware order (GPTQModel's default)
-    gptaq: bool | None = None  # gptq: GPTAQ's asymmetric target; None: on for gptq
-    gptaq_alpha: float = 0.25
-    quantize_lm_head: bool = False  # rtn / gptq: lm_head too, by the same method ("lm_head": true)
-    ignore: tuple[str, ...] = ("lm_head",)
-    smooth_alpha: float = 0.5  # SmoothQuant; <= 0 turns smoothing off
-    weight_strategy: str = "channel"  # int8 / fp8: channel | tensor
-    activation_scheme: str = "dynamic"  # int8 / fp8: dynamic | static
-    gptq_weights: bool | None = None  # int8 / fp8: GPTQ rounding (same format); None: on
-    kv_cache_dtype: str = "auto"  # fp8_e4m3 | fp8_e5m2: also calibrate k_scale / v_scale
+    method: Method = setting(
+        "gptq",
+        "rtn/gptq -> GPTQ format, awq -> AWQ gemm, int8/fp8 -> compressed-tensors.",
+        flag="-m,--method",
+    )
+    bits: Literal[4, 8] | None = setting(None, "4 or 8 (rtn/gptq).", default_text="4; int8/fp8: 8")
+    group_size: GroupSize | None = setting(
+        None,
+        "rtn/gptq/awq: 32, 64, 128, -1 (per channel) or auto (the largest of 128/64/32 dividing "
+        "every quantized linear's input size).",
+        default_text="auto",
+    )
+    sym: bool | None = setting(
+        None, "rtn/gptq: symmetric codes (awq is asymmetric).", flag="--sym/--asym",
+        default_text="sym",
+    )  # fmt: skip
+    desc_act: bool | None = setting(
+        None, "gptq: act-order (columns by descending Hessian diagonal).", default_text="off"
+    )
+    damp: Annotated[float, Range(0, 1, max_open=True)] | None = setting(
+        None, "gptq (and int8/fp8 GPTQ rounding): dampening, a fraction of mean(diag H).",
+        default_text="0.01",
+    )  # fmt: skip
+    static_groups: bool | None = setting(
+        None, "gptq with act-order: group scales fixed before the column sweep.", default_text="off"
+    )
+    mse: bool | None = setting(
+        None, "gptq: MSE grid search of each group's range.", default_text="off"
+    )
+    act_group_aware: bool | None = setting(
+        None, "gptq without act-order: visit whole groups by importance (GPTQModel's default).",
+        default_text="on",
+    )  # fmt: skip
+    gptaq: bool | None = setting(
+        None, "gptq: fit each layer to the float model's output (GPTAQ); off is plain GPTQ.",
+        default_text="on",
+    )  # fmt: skip
+    gptaq_alpha: Annotated[float, Range(0, 1)] | None = setting(
+        None, "gptq with GPTAQ: weight of the asymmetric correction.", default_text="0.25"
+    )
+    quantize_lm_head: bool | None = setting(
+        None, "rtn/gptq: quantize lm_head too (same method, bits and groups; untied from the "
+        "embeddings).", default_text="off",
+    )  # fmt: skip
+    calib: str | Path | None = setting(
+        None, "Calibration .txt/.jsonl.", default_text="the bundled Moby-Dick chapters 11+"
+    )
+    num_samples: Annotated[int, Range(1)] = setting(128, "Calibration windows.")
+    seq_len: Annotated[int, Range(16)] = setting(512, "Tokens per calibration window.")
+    ignore: tuple[str, ...] = setting(
+        ("lm_head",), "Module name (exact, dotted suffix or re:REGEX) left unquantized; repeatable."
+    )
+    smooth_alpha: Annotated[float, Range(max=1)] | None = setting(
+        None, "int8: SmoothQuant alpha; <= 0 turns smoothing off.", default_text="0.5"
+    )
+    weight_strategy: Literal["channel", "tensor"] | None = setting(
+        None, "int8/fp8: weight scales per channel or per tensor.", default_text="channel"
+    )
+    activation_scheme: Literal["dynamic", "static"] | None = setting(
+        None, "int8/fp8: activation scales per token at run time, or calibrated.",
+        default_text="dynamic",
+    )  # fmt: skip
+    gptq_weights: bool | None = setting(
+        None, "int8/fp8: round the weights with GPTQ error feedback (needs calibration data); "
+        "off rounds to nearest (fp8 dynamic: no calibration).", default_text="on",
+    )  # fmt: skip
+    dtype: Literal["float16", "bfloat16", "float32"] | None = setting(
+        None, "dtype of the tensors left in floating point.",
+        default_text="float16; int8/fp8: bfloat16",
+    )  # fmt: skip
+    kv_cache_dtype: KVCacheDtype = setting(
+        "auto", "fp8_e4m3/fp8_e5m2: also calibrate and write k_scale/v_scale per attention layer."
+    )
 
     def __post_init__(self) -> None:
+        check_fields(self)
+        self._check_method_options()
+        for name, defaults in METHOD_DEFAULTS.items():
+            if getattr(self, name) is None and self.method in defaults:
+                object.__setattr__(self, name, defaults[self.method])
+        if self.method == "awq" and self.group_size == -1:
+            raise QServeError("group_size: awq needs a group size (32, 64, 128)", "group_size")
+
+    def _check_method_options(self) -> None:
         m = self.method
-        if m not in METHODS:
-            raise QServeError(f"unknown method {m!r} (choose from {', '.join(METHODS)})", "method")
-        if m in ("rtn", "gptq") and self.bits not in (4, 8):
-            raise QServeError(f"{m} supports bits 4 or 8, got {self.bits}", "bits")
-        if m == "awq" and (self.bits != 4 or self.group_size == -1):
-            raise QServeError("awq supports bits 4 with a group_size (32, 64, 128)", "bits")
-        if m in ("rtn", "gptq", "awq") and self.group_size not in (-1, *GROUP_SIZES, "auto"):
-            raise QServeError(
-                f"group_size must be -1, 32, 64, 128 or auto, got {self.group_size}", "group_size"
-            )
-        if self.weight_strategy not in ("channel", "tensor"):
-            raise QServeError("weight_strategy must be 'channel' or 'tensor'", "weight_strategy")
-        if self.activation_scheme not in ("dynamic", "static"):
-            raise QServeError("activation_scheme must be 'dynamic' or 'static'")
-        if self.quantize_lm_head and m not in ("rtn", "gptq"):
-            raise QServeError(
-                f"quantize_lm_head is supported for rtn and gptq (the GPTQ format), not {m}",
-                "quantize_lm_head",
-            )
-        if self.gptaq and m != "gptq":
-            raise QServeError(f"gptaq is a variant of gptq, not of {m}", "gptaq")
-        if self.gptq_weights and m not in ("int8", "fp8"):
-            raise QServeError(f"gptq_weights rounds int8 / fp8 weights, not {m}'s", "gptq_weights")
-        # Unset options take the method's default: GPTAQ for gptq, GPTQ rounding for int8 / fp8.
-        if self.gptaq is None:
-            object.__setattr__(self, "gptaq", m == "gptq")
-        if self.gptq_weights is None:
-            object.__setattr__(self, "gptq_weights", m in ("int8", "fp8"))
-        if not 0 <= self.damp < 1:
-            raise QServeError(f"damp must be in [0, 1), got {self.damp}", "damp")
-        check_kv_cache_dtype(self.kv_cache_dtype)
+        for name, defaults in METHOD_DEFAULTS.items():
+            value = getattr(self, name)
+            if value is not None and m not in defaults:
+                users = ", ".join(defaults)
+                verb = "uses" if len(defaults) == 1 else "use"
+                raise QServeError(f"{name}: only {users} {verb} it, but method is {m}", name)
+        if self.bits is not None and self.bits not in METHOD_BITS[m]:
+            allowed = "/".join(map(str, METHOD_BITS[m]))
+            raise QServeError(f"bits: {m} takes bits {allowed}, got {self.bits}", "bits")
+        if m == "awq" and self.sym:
+            raise QServeError("sym: only rtn, gptq use it, but method is awq (asymmetric)", "sym")
 
     @property
     def lm_head_needs_inputs(self) -> bool:
@@ -98,7 +170,7 @@ class QuantizeSettings:
 
     @property
     def calibrates_kv_scales(self) -> bool:
-        return check_kv_cache_dtype(self.kv_cache_dtype) is not None
+        return self.kv_cache_dtype != "auto"
 
     @property
     def searches_scales(self) -> bool:

@@ -129,8 +129,8 @@ BAD_FILES: dict[str, Maker] = {
     "a-folder": _empty_dir,
 }
 FILE_OPTIONS = {
-    "quantize --calib-data": ["quantize", "{tiny}", "-m", "gptq", "-o", "{root}/o",
-                              "--calib-data", "{file}"],
+    "quantize --calib": ["quantize", "{tiny}", "-m", "gptq", "-o", "{root}/o",
+                              "--calib", "{file}"],
     "quantize --scales": ["quantize", "{tiny}", "-m", "awq", "-o", "{root}/o",
                           "--scales", "{file}"],
     "quantize --recipe": ["quantize", "{tiny}", "-o", "{root}/o", "--recipe", "{file}"],

@@ -123,7 +123,7 @@ def test_cli_json(model_dir: Path, tmp_path: Path) -> None:
     data = tmp_path / "text.txt"
     data.write_text(moby_dick(1, 1))
     args = ["eval", str(model_dir), "--data", str(data), "--seq-len", "64", "--max-tokens", "300"]
-    args += ["--dtype", "float32", "--kv-cache-memory", "4MiB", "--threads", "1", "--json"]
+    args += ["--dtype", "float32", "--kv-cache-memory", "4MiB", "--num-threads", "1", "--json"]
     result = CliRunner().invoke(cli, args)
     assert result.exit_code == 0, result.output
     out = json.loads(result.stdout.strip().splitlines()[-1])

@@ -4,6 +4,7 @@ and each recipe quantizes a tiny model and generates from the checkpoint on CPU.
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 import time
@@ -16,8 +17,11 @@ import yaml
 from click.testing import CliRunner
 
 from qserve import recipe as rc
-from qserve.cli import cli, engine_options
+from qserve.cli import cli
+from qserve.config import EngineConfig
 from qserve.errors import QServeError
+from qserve.options import click_options, field_names, given_values
+from qserve.quantize.settings import QuantizeSettings
 from qserve.recipe import Hardware, Requires
 
 SHIPPED = {
@@ -70,7 +74,7 @@ def test_every_required_recipe_ships_and_loads():
     assert {r.name for r in recipes} == SHIPPED
     for r in recipes:
         assert r.spec.description and r.spec.hardware and r.spec.why
-        assert rc.contradictions(r.spec) == []
+        assert rc.contradictions(r) == []
 
 
 @pytest.mark.parametrize("name", sorted(SHIPPED))
@@ -107,7 +111,7 @@ def test_unknown_top_level_section(tmp_path):
 
 def test_wrong_type(tmp_path):
     message = error_of(tmp_path, base(**{"serve.block_size": "16"}))
-    assert "serve.block_size: Input should be a valid integer" in message
+    assert "serve.block_size: expected an integer, got '16'" in message
 
 
 def test_unknown_method_lists_the_methods(tmp_path):
@@ -195,7 +199,10 @@ CONTRADICTIONS = [
     ),
     (base("a100-awq-w4", **{"quantize.sym": True}), "quantize.sym: only rtn, gptq use it, but"),
     (base("a100-awq-w4", **{"quantize.bits": 8}), "quantize.bits: awq takes bits 4, got 8"),
-    (base("h100-fp8", **{"quantize.group_size": 128}), "fp8 is per channel or per tensor"),
+    (
+        base("h100-fp8", **{"quantize.group_size": 128}),
+        "quantize.group_size: only rtn, gptq, awq use it, but method is fp8",
+    ),
     (base("h100-fp8", **{"serve.device": "cpu"}), "serve.device: cpu contradicts requires.device"),
     (
         base("h100-fp8", **{"requires.cpu_features": ["bf16"]}),
@@ -206,8 +213,8 @@ CONTRADICTIONS = [
         "quantize.method: fp8 has no CPU matmul kernel",
     ),
     (
-        base("cpu-w4", **{"serve.dtype": "float32"}),
-        "serve.dtype: torch's CPU int4/int8 weight-only kernels need bfloat16/float16",
+        base("cpu-int8", **{"serve.dtype": "float32"}),
+        "serve.dtype: torch's CPU int8 weight-only kernel needs bfloat16/float16",
     ),
 ]
 
@@ -217,6 +224,12 @@ CONTRADICTIONS = [
 )
 def test_contradictions_are_rejected_with_the_reason(tmp_path, data, expected):
     assert expected in error_of(tmp_path, data)
+
+
+def test_fp32_activations_are_fine_for_the_cpu_w4_kernel(tmp_path):
+    """The C++ W4 kernel takes fp32 activations (only torch's int8 kernel needs 16-bit ones)."""
+    data = base("cpu-w4", **{"serve.dtype": "float32"})
+    assert rc.load_recipe(write(tmp_path, data)).serve.dtype == "float32"
 
 
 def test_fp8_e5m2_kv_is_fine_on_ampere(tmp_path):
@@ -293,58 +306,77 @@ def test_gpu_names_match_whole_words():
 # ------------------------------------------------------------------------- CLI precedence
 
 
-def run_with_recipe(args: list[str], values: dict[str, Any]) -> tuple[dict, dict]:
-    """Run a command with the engine options; return apply_recipe's (merged, origin)."""
+def run_with_recipe(
+    args: list[str], recipe: rc.Recipe | None, cls: type = EngineConfig
+) -> tuple[Any, dict]:
+    """Run a command with `cls`'s options; return merge_settings' (settings, origin)."""
     seen: dict[str, Any] = {}
 
     @click.command()
-    @engine_options
-    @click.pass_context
-    def command(ctx: click.Context, **kw: Any) -> None:
-        seen["merged"], seen["origin"] = rc.apply_recipe(values, kw, ctx)
+    @click_options(cls)
+    def command(**kw: Any) -> None:
+        given = given_values(cls, kw)
+        section = "serve" if cls is EngineConfig else "quantize"
+        seen["settings"], seen["origin"] = rc.merge_settings(cls, given, recipe, section)
 
     result = CliRunner().invoke(command, args, catch_exceptions=False)
     assert result.exit_code == 0, result.output
-    return seen["merged"], seen["origin"]
+    return seen["settings"], seen["origin"]
+
+
+def with_values(recipe: rc.Recipe, section: str, values: dict[str, Any]) -> rc.Recipe:
+    return dataclasses.replace(recipe, **{f"{section}_values": values})
 
 
 def test_recipe_beats_defaults_and_explicit_flags_beat_the_recipe():
-    values = rc.find_recipe("l4-gptq-w4").serve_values
-    merged, origin = run_with_recipe(["--kv-cache-dtype", "auto", "--max-num-seqs", "8"], values)
-    assert merged["kv_cache_dtype"] == "auto" and origin["kv_cache_dtype"] == "cli"  # = default
-    assert merged["max_num_seqs"] == 8 and origin["max_num_seqs"] == "cli"
-    assert merged["kv_cache_memory"] == "8GiB" and origin["kv_cache_memory"] == "recipe"
-    assert merged["device"] == "cuda" and merged["dtype"] == "float16"
-    assert merged["max_model_len"] is None and "max_model_len" not in origin  # click's default
+    recipe = rc.find_recipe("l4-gptq-w4")
+    config, origin = run_with_recipe(["--kv-cache-dtype", "auto", "--max-num-seqs", "8"], recipe)
+    assert config.kv_cache_dtype == "auto" and origin["kv_cache_dtype"] == "cli"  # = default
+    assert config.max_num_seqs == 8 and origin["max_num_seqs"] == "cli"
+    assert config.kv_cache_memory == "8GiB" and origin["kv_cache_memory"] == "recipe"
+    assert config.device == "cuda" and config.dtype == "float16"
+    assert config.max_model_len is None and "max_model_len" not in origin  # the field's default
 
 
-def test_recipe_prefix_caching_maps_to_the_flag():
-    merged, origin = run_with_recipe([], {"enable_prefix_caching": False})
-    assert merged["no_prefix_caching"] is True and origin["no_prefix_caching"] == "recipe"
-    merged, _ = run_with_recipe(["--no-prefix-caching"], {"enable_prefix_caching": True})
-    assert merged["no_prefix_caching"] is True
+def test_recipe_prefix_caching_is_the_flag():
+    recipe = rc.find_recipe("cpu-w4")
+    off = with_values(recipe, "serve", {"enable_prefix_caching": False})
+    config, origin = run_with_recipe([], off)
+    assert config.enable_prefix_caching is False and origin["enable_prefix_caching"] == "recipe"
+    on = with_values(recipe, "serve", {"enable_prefix_caching": True})
+    config, origin = run_with_recipe(["--no-enable-prefix-caching"], on)
+    assert config.enable_prefix_caching is False and origin["enable_prefix_caching"] == "cli"
 
 
-def test_quantize_names_map_to_the_quantize_flags():
-    @click.command()
-    @click.option("--calib-data", default=None)
-    @click.option("--ignore", multiple=True, default=("lm_head",))
-    @click.option("--seq-len", default=512, type=int)
-    @click.pass_context
-    def quantize(ctx: click.Context, **kw: Any) -> None:
-        values = {"calib": "c.txt", "ignore": ["lm_head", "re:.*gate"], "seq_len": 256}
-        merged, _ = rc.apply_recipe(values, kw, ctx)
-        click.echo(repr(sorted(merged.items())))
-
-    out = CliRunner().invoke(quantize, ["--seq-len", "64"]).output
-    assert out.strip() == repr(
-        [("calib_data", "c.txt"), ("ignore", ("lm_head", "re:.*gate")), ("seq_len", 64)]
+def test_quantize_keys_are_the_quantize_flags():
+    recipe = with_values(
+        rc.find_recipe("cpu-w4"),
+        "quantize",
+        {"calib": "c.txt", "ignore": ["lm_head", "re:.*gate"], "seq_len": 256, "damp": 0.05},
     )
+    settings, origin = run_with_recipe(["--seq-len", "64"], recipe, QuantizeSettings)
+    assert (settings.calib, settings.ignore) == ("c.txt", ("lm_head", "re:.*gate"))
+    assert settings.seq_len == 64 and origin["seq_len"] == "cli"
+    assert settings.damp == 0.05 and origin["damp"] == "recipe"
 
 
-def test_recipe_keys_without_a_flag_are_added():
-    merged, origin = run_with_recipe([], {"damp": 0.05})
-    assert merged["damp"] == 0.05 and origin["damp"] == "recipe"
+@pytest.mark.parametrize("cls", [QuantizeSettings, EngineConfig])
+def test_every_key_is_a_flag_of_the_same_name(cls):
+    """One name per concept: each settings field is a recipe key and a CLI option (--a-b for
+    a_b; a bool also --no-a-b), the model of EngineConfig being MODEL, an argument."""
+
+    @click.command()
+    @click_options(cls, skip=("model",))
+    def command(**kw: Any) -> None:
+        pass
+
+    options = {p.name: p for p in command.params}
+    names = [n for n in field_names(cls) if n != "model"]
+    assert sorted(options) == sorted(names)
+    for name in names:
+        assert f"--{name.replace('_', '-')}" in options[name].opts or name == "sym"
+    if cls is QuantizeSettings:
+        assert options["sym"].opts == ["--sym"] and options["sym"].secondary_opts == ["--asym"]
 
 
 def test_format_settings_and_provenance(tmp_path):
@@ -412,16 +444,17 @@ def test_recipe_quantizes_and_generates_on_cpu(tmp_path, tiny_model, name):
     from qserve.engine.sampling_params import SamplingParams
     from qserve.model.loader import read_provenance
     from qserve.quantize.driver import quantize_model
+    from qserve.quantize.settings import QuantizeSettings
 
     torch.set_num_threads(1)
     recipe = rc.find_recipe(name)
-    kwargs = rc.section_values(recipe.quantize) | TINY_CALIB
+    kwargs = recipe.section_values("quantize") | TINY_CALIB
     kwargs.pop("kv_cache_dtype", None)  # recorded, not a driver argument
     made_by = rc.provenance(recipe, kwargs)
-    out = quantize_model(tiny_model, tmp_path / "q", provenance=made_by, **kwargs)
+    out = quantize_model(tiny_model, tmp_path / "q", QuantizeSettings(**kwargs), provenance=made_by)
     serve = recipe.serve_values | TINY_SERVE
     llm = LLM(str(out), **serve)
-    assert llm.engine.config.kv_cache_dtype == (recipe.serve.kv_cache_dtype or "auto")
+    assert llm.engine.config.kv_cache_dtype == recipe.serve.kv_cache_dtype
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     [result] = llm.generate(["Call me Ishmael."], params)
     assert len(result.outputs[0].token_ids) == 4

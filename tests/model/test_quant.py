@@ -79,8 +79,9 @@ def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @functools.cache
 def checkpoint(root: Path, name: str) -> Path:
     from qserve.quantize.driver import quantize_model
+    from qserve.quantize.settings import QuantizeSettings
 
-    folder = quantize_model(root / "base", root / name, **METHODS[name])
+    folder = quantize_model(root / "base", root / name, QuantizeSettings(**METHODS[name]))
     if name == "fp8-vllm":
         to_vllm_fp8(folder)
     return folder
@@ -308,11 +309,16 @@ def test_an_unsupported_scheme_fails_at_load_in_one_line(work):
 @pytest.mark.parametrize("method", ["rtn", "awq", "fp8"])
 def test_ignored_modules_stay_dense(work, method):
     from qserve.quantize.driver import quantize_model
+    from qserve.quantize.settings import QuantizeSettings
 
     out = work / f"{method}-ignore"
     if not out.exists():
         settings = {k: v for k, v in METHODS[method].items() if k != "method"}
-        quantize_model(work / "base", out, method, ignore=("lm_head", "down_proj"), **settings)
+        quantize_model(
+            work / "base",
+            out,
+            QuantizeSettings(method=method, ignore=("lm_head", "down_proj"), **settings),
+        )
     model, _ = load_model(out, torch.bfloat16)
     for layer in model.model.layers:
         assert isinstance(layer.mlp.down_proj, torch.nn.Linear)

@@ -42,9 +42,12 @@ def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def checkpoint(root: Path, name: str) -> Path:
     from qserve.model.resolve import resolve_model
     from qserve.quantize.driver import quantize_model
+    from qserve.quantize.settings import QuantizeSettings
 
     torch.set_num_threads(2)
-    return quantize_model(resolve_model("smollm2-135m"), root / name, **METHODS[name])
+    return quantize_model(
+        resolve_model("smollm2-135m"), root / name, QuantizeSettings(**METHODS[name])
+    )
 
 
 @pytest.mark.parametrize("name", list(METHODS))

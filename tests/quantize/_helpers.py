@@ -94,3 +94,9 @@ def make_tiny_model(
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
+
+
+def grouped(method: str, group_size: int = 32) -> dict[str, int]:
+    """{"group_size": group_size} for the grouped methods (rtn, gptq, awq); int8 / fp8 are per
+    channel or per tensor and refuse a group size."""
+    return {"group_size": group_size} if method in ("rtn", "gptq", "awq") else {}

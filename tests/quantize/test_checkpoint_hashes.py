@@ -24,6 +24,7 @@ import torch
 from safetensors import safe_open
 
 from qserve.quantize.driver import quantize_model
+from qserve.quantize.settings import QuantizeSettings
 
 CALIB = {"num_samples": 8, "seq_len": 64}
 CASES: dict[str, dict[str, Any]] = {
@@ -104,7 +105,7 @@ def checkpoint_hash(folder: Path) -> str:
 
 def quantize_case(model: Path, out: Path, case: str) -> Path:
     torch.manual_seed(0)
-    return quantize_model(model, out, **CASES[case])
+    return quantize_model(model, out, QuantizeSettings(**CASES[case]))
 
 
 @pytest.mark.parametrize("case", sorted(CASES))

@@ -16,6 +16,8 @@ from qserve.quantize.arch import arch_spec
 from qserve.quantize.calibration import calibration_windows, load_calibration_text
 from qserve.quantize.driver import QuantizeSettings, quantize_blocks, quantize_model, resolve_device
 
+from ._helpers import grouped
+
 CALIB = dict(num_samples=4, seq_len=32)
 HAS_CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
@@ -39,7 +41,9 @@ def test_resolve_device() -> None:
 def test_cuda_without_cuda_fails_before_any_work(device: str, tmp_path: Path) -> None:
     # The model folder does not exist either: the device is refused first.
     with pytest.raises(QServeError) as err:
-        quantize_model(tmp_path / "nowhere", tmp_path / "out", "gptq", device=device)
+        quantize_model(
+            tmp_path / "nowhere", tmp_path / "out", QuantizeSettings(method="gptq"), device=device
+        )
     assert str(err.value) == f"device {device}: CUDA is not available on this machine"
     assert not (tmp_path / "out").exists()
 
@@ -55,11 +59,15 @@ def test_cli_cuda_without_cuda_is_one_line(tiny_llama: Path, tmp_path: Path) -> 
 
 def test_cpu_device(tiny_llama: Path, tmp_path: Path) -> None:
     kw = dict(group_size=32, kv_cache_dtype="fp8_e4m3", **CALIB)
-    out = quantize_model(tiny_llama, tmp_path / "cpu", "gptq", device="cpu", **kw)
+    out = quantize_model(
+        tiny_llama, tmp_path / "cpu", QuantizeSettings(method="gptq", **kw), device="cpu"
+    )
     sd = tensors(out)
     assert sd["model.layers.1.self_attn.k_scale"].device.type == "cpu"
     if not HAS_CUDA:  # the default device is the CPU here: the same checkpoint
-        default = tensors(quantize_model(tiny_llama, tmp_path / "default", "gptq", **kw))
+        default = tensors(
+            quantize_model(tiny_llama, tmp_path / "default", QuantizeSettings(method="gptq", **kw))
+        )
         assert sd.keys() == default.keys() and all(torch.equal(sd[k], default[k]) for k in sd)
 
 
@@ -81,7 +89,7 @@ def _load(folder: Path):
 def test_only_the_current_block_is_on_the_device(method: str, tiny_llama: Path) -> None:
     model, ids = _load(tiny_llama)
     spec = arch_spec("llama")
-    settings = QuantizeSettings(method=method, group_size=32, kv_cache_dtype="fp8_e4m3")
+    settings = QuantizeSettings(method=method, **grouped(method), kv_cache_dtype="fp8_e4m3")
     blocks = model.get_submodule(spec.blocks)
     seen: list[tuple[int, str, list[str]]] = []
 
@@ -108,9 +116,17 @@ def test_only_the_current_block_is_on_the_device(method: str, tiny_llama: Path) 
 @needs_cuda
 @pytest.mark.parametrize("method", ["rtn", "gptq", "awq", "int8", "fp8"])
 def test_cuda_checkpoint_matches_cpu(method: str, tiny_llama: Path, tmp_path: Path) -> None:
-    kw = dict(group_size=32, kv_cache_dtype="fp8_e4m3", dtype="float32", **CALIB)
-    cpu = tensors(quantize_model(tiny_llama, tmp_path / "cpu", method, device="cpu", **kw))
-    cuda = tensors(quantize_model(tiny_llama, tmp_path / "cuda", method, device="cuda", **kw))
+    kw = dict(**grouped(method), kv_cache_dtype="fp8_e4m3", dtype="float32", **CALIB)
+    cpu = tensors(
+        quantize_model(
+            tiny_llama, tmp_path / "cpu", QuantizeSettings(method=method, **kw), device="cpu"
+        )
+    )
+    cuda = tensors(
+        quantize_model(
+            tiny_llama, tmp_path / "cuda", QuantizeSettings(method=method, **kw), device="cuda"
+        )
+    )
     assert cpu.keys() == cuda.keys()
     for key in cpu:
         if cpu[key].is_floating_point() and cpu[key].element_size() > 1:

@@ -11,8 +11,9 @@ from qserve.quantize.calibration import load_calibration_text
 from qserve.quantize.driver import SEARCH_FILE, quantize_model
 from qserve.quantize.fold import ScaleResult
 from qserve.quantize.rtn import rtn_quantize
+from qserve.quantize.settings import QuantizeSettings
 
-from ._helpers import load_dequantized, make_tiny_model
+from ._helpers import grouped, load_dequantized, make_tiny_model
 
 LINEARS = {  # name -> (N, K) of the tiny model (hidden 128, intermediate 256, 4 heads of 32)
     "self_attn.q_proj": (128, 128),
@@ -31,8 +32,9 @@ def _export(method: str, tiny_llama: Path, tmp_path_factory, **kw) -> Path:
     key = method + repr(sorted(kw.items()))
     if key not in _cache:
         out = tmp_path_factory.mktemp("q") / method
-        group_size = kw.pop("group_size", 32)
-        quantize_model(tiny_llama, out, method=method, group_size=group_size, **CALIB, **kw)
+        if method in ("rtn", "gptq", "awq"):  # int8 / fp8 are per channel or per tensor
+            kw.setdefault("group_size", 32)
+        quantize_model(tiny_llama, out, QuantizeSettings(method=method, **CALIB, **kw))
         _cache[key] = out
     return _cache[key]
 
@@ -149,8 +151,9 @@ def test_logits_stay_close_and_calibrated_methods_beat_rtn(tiny_llama, tmp_path_
 
 @pytest.mark.parametrize("method", ["int8", "fp8"])
 def test_gptq_weights_same_format_closer_logits(method: str, tiny_llama: Path, tmp_path_factory):
-    plain = _export(method, tiny_llama, tmp_path_factory, smooth_alpha=0, gptq_weights=False)
-    gptq = _export(method, tiny_llama, tmp_path_factory, smooth_alpha=0)  # GPTQ rounding: default
+    no_smoothing = {"smooth_alpha": 0} if method == "int8" else {}  # fp8 never smooths
+    plain = _export(method, tiny_llama, tmp_path_factory, **no_smoothing, gptq_weights=False)
+    gptq = _export(method, tiny_llama, tmp_path_factory, **no_smoothing)  # GPTQ rounding: default
     a, b = _tensors(plain), _tensors(gptq)
     assert a.keys() == b.keys()
     for key in a:
@@ -185,10 +188,14 @@ def test_gptaq_recomputes_what_it_does_not_keep(tiny_llama: Path, tmp_path: Path
     from qserve.quantize import block_context
 
     a = tmp_path / "kept"
-    quantize_model(tiny_llama, a, method="gptq", group_size=32, gptaq=True, **CALIB)
+    quantize_model(
+        tiny_llama, a, QuantizeSettings(method="gptq", group_size=32, gptaq=True, **CALIB)
+    )
     monkeypatch.setattr(block_context, "REFERENCE_CACHE_BYTES", 0)
     b = tmp_path / "recomputed"
-    quantize_model(tiny_llama, b, method="gptq", group_size=32, gptaq=True, **CALIB)
+    quantize_model(
+        tiny_llama, b, QuantizeSettings(method="gptq", group_size=32, gptaq=True, **CALIB)
+    )
     ta, tb = _tensors(a), _tensors(b)
     assert all(torch.equal(ta[k], tb[k]) for k in ta)
 
@@ -217,11 +224,11 @@ def test_attention_replay_changes_nothing(kw: dict, tiny_llama: Path, tmp_path: 
 
     monkeypatch.setattr(block_context.BlockContext, "attention_replay", counting)
     a = tmp_path / "replayed"
-    quantize_model(tiny_llama, a, group_size=32, **kw, **CALIB)
+    quantize_model(tiny_llama, a, QuantizeSettings(**grouped(kw["method"]), **kw, **CALIB))
     assert calls["replayed"] > 0
     monkeypatch.setattr(block_context, "REPLAY_CACHE_BYTES", 0)
     b = tmp_path / "recomputed"
-    quantize_model(tiny_llama, b, group_size=32, **kw, **CALIB)
+    quantize_model(tiny_llama, b, QuantizeSettings(**grouped(kw["method"]), **kw, **CALIB))
     ta, tb = _tensors(a), _tensors(b)
     assert ta.keys() == tb.keys()
     assert all(torch.equal(ta[k], tb[k]) for k in ta)
@@ -249,10 +256,9 @@ def test_ignore_and_progress(tiny_llama: Path, tmp_path: Path) -> None:
     quantize_model(
         tiny_llama,
         tmp_path / "o",
-        method="rtn",
-        group_size=-1,
-        bits=8,
-        ignore=["lm_head", "re:.*\\.down_proj"],
+        QuantizeSettings(
+            method="rtn", group_size=-1, bits=8, ignore=["lm_head", "re:.*\\.down_proj"]
+        ),
         progress=lambda *a: calls.append(a),
     )
     sd = _tensors(tmp_path / "o")
@@ -266,16 +272,17 @@ def test_ignore_and_progress(tiny_llama: Path, tmp_path: Path) -> None:
 def test_awq_results_replay(tiny_llama: Path, tmp_path: Path) -> None:
     saved = tmp_path / "awq.safetensors"
     quantize_model(
-        tiny_llama, tmp_path / "a", method="awq", group_size=64, scales_path=saved, **CALIB
+        tiny_llama,
+        tmp_path / "a",
+        QuantizeSettings(method="awq", group_size=64, **CALIB),
+        scales=saved,
     )
     assert saved.is_file()
     quantize_model(
         tiny_llama,
         tmp_path / "b",
-        method="awq",
-        group_size=64,
-        scales_path=saved,
-        calib=tmp_path / "missing.txt",
+        QuantizeSettings(method="awq", group_size=64, calib=tmp_path / "missing.txt"),
+        scales=saved,
     )
     a, b = _tensors(tmp_path / "a"), _tensors(tmp_path / "b")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
@@ -283,7 +290,7 @@ def test_awq_results_replay(tiny_llama: Path, tmp_path: Path) -> None:
 
 def test_qwen2_gqa_tied_awq(tmp_path: Path) -> None:
     model = make_tiny_model(tmp_path / "qwen", model_type="qwen2", kv_heads=2, tie=True)
-    quantize_model(model, tmp_path / "o", method="awq", group_size=32, **CALIB)
+    quantize_model(model, tmp_path / "o", QuantizeSettings(method="awq", group_size=32, **CALIB))
     sd = _tensors(tmp_path / "o")
     assert sd["model.layers.0.self_attn.v_proj.qweight"].shape == (128, 64 // 8)
     assert sd["model.layers.0.self_attn.q_proj.bias"].dtype == torch.float16
@@ -295,17 +302,17 @@ def test_refusals(tiny_llama: Path, tmp_path: Path) -> None:
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "x").write_text("x")
     with pytest.raises(QServeError, match="not empty"):
-        quantize_model(tiny_llama, tmp_path / "full", method="rtn")
+        quantize_model(tiny_llama, tmp_path / "full", QuantizeSettings(method="rtn"))
     (tmp_path / "gpt2").mkdir()
     (tmp_path / "gpt2" / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
     with pytest.raises(QServeError, match="unsupported architecture 'gpt2'"):
-        quantize_model(tmp_path / "gpt2", tmp_path / "o", method="rtn")
-    with pytest.raises(QServeError, match="unknown method"):
-        quantize_model(tiny_llama, tmp_path / "o", method="nf4")
-    with pytest.raises(QServeError, match="awq supports bits 4"):
-        quantize_model(tiny_llama, tmp_path / "o", method="awq", bits=8)
+        quantize_model(tmp_path / "gpt2", tmp_path / "o", QuantizeSettings(method="rtn"))
+    with pytest.raises(QServeError, match="method: 'nf4' is not allowed"):
+        quantize_model(tiny_llama, tmp_path / "o", QuantizeSettings(method="nf4"))
+    with pytest.raises(QServeError, match="bits: awq takes bits 4, got 8"):
+        quantize_model(tiny_llama, tmp_path / "o", QuantizeSettings(method="awq", bits=8))
     with pytest.raises(QServeError, match="not a model folder"):
-        quantize_model(tmp_path / "nowhere", tmp_path / "o", method="rtn")
+        quantize_model(tmp_path / "nowhere", tmp_path / "o", QuantizeSettings(method="rtn"))
     assert not (tmp_path / "o").exists()
 
 
@@ -314,10 +321,14 @@ def test_group_size_must_divide_in_features(tmp_path: Path) -> None:
 
     model = save_tiny_llama(tmp_path / "m")  # hidden 64, intermediate 160
     with pytest.raises(QServeError, match="group_size 64 does not divide .*mlp.down_proj's 160"):
-        quantize_model(model, tmp_path / "o", method="gptq", group_size=64, **CALIB)
+        quantize_model(
+            model, tmp_path / "o", QuantizeSettings(method="gptq", group_size=64, **CALIB)
+        )
     assert not (tmp_path / "o").exists()
     # Leaving the offending linears unquantized is a way out.
-    quantize_model(model, tmp_path / "o", method="rtn", group_size=64, ignore=["down_proj"])
+    quantize_model(
+        model, tmp_path / "o", QuantizeSettings(method="rtn", group_size=64, ignore=["down_proj"])
+    )
 
 
 def test_auto_group_size_is_the_largest_that_divides(tmp_path: Path) -> None:
@@ -327,9 +338,11 @@ def test_auto_group_size_is_the_largest_that_divides(tmp_path: Path) -> None:
         return json.loads((out / "config.json").read_text())["quantization_config"]["group_size"]
 
     model = save_tiny_llama(tmp_path / "m")  # hidden 64, intermediate 160: 32 divides both
-    quantize_model(model, tmp_path / "a", method="rtn", group_size="auto")
+    quantize_model(model, tmp_path / "a", QuantizeSettings(method="rtn", group_size="auto"))
     assert written(tmp_path / "a") == 32
-    quantize_model(model, tmp_path / "b", method="rtn", ignore=["lm_head", "down_proj"])
+    quantize_model(
+        model, tmp_path / "b", QuantizeSettings(method="rtn", ignore=["lm_head", "down_proj"])
+    )
     assert written(tmp_path / "b") == 64  # the default is auto; down_proj (160) left dense
     odd = tmp_path / "odd"  # the group size is chosen from config.json alone, before weights
     odd.mkdir()
@@ -338,16 +351,19 @@ def test_auto_group_size_is_the_largest_that_divides(tmp_path: Path) -> None:
     config.update(num_key_value_heads=2, head_dim=36)
     (odd / "config.json").write_text(json.dumps(config))
     with pytest.raises(QServeError, match="no group size of 128, 64 or 32 divides"):
-        quantize_model(odd, tmp_path / "c", method="rtn", group_size="auto")
-    with pytest.raises(QServeError, match="group_size must be -1, 32, 64, 128 or auto"):
-        quantize_model(model, tmp_path / "c", method="rtn", group_size=48)
+        quantize_model(odd, tmp_path / "c", QuantizeSettings(method="rtn", group_size="auto"))
+    allowed = r"group_size: 48 is not allowed \(allowed: -1, 32, 64, 128, auto\)"
+    with pytest.raises(QServeError, match=allowed):
+        quantize_model(model, tmp_path / "c", QuantizeSettings(method="rtn", group_size=48))
     assert not (tmp_path / "c").exists()
 
 
 def test_mistral_wide_heads_awq(tmp_path: Path) -> None:
     model = make_tiny_model(tmp_path / "mistral", model_type="mistral")
     saved = tmp_path / "awq.safetensors"
-    quantize_model(model, tmp_path / "o", method="awq", group_size=64, scales_path=saved, **CALIB)
+    quantize_model(
+        model, tmp_path / "o", QuantizeSettings(method="awq", group_size=64, **CALIB), scales=saved
+    )
     sd = _tensors(tmp_path / "o")
     assert sd["model.layers.0.self_attn.q_proj.qweight"].shape == (128, 256 // 8)
     assert sd["model.layers.0.self_attn.o_proj.qweight"].shape == (256, 128 // 8)
@@ -363,7 +379,7 @@ def test_mistral_wide_heads_awq(tmp_path: Path) -> None:
 def test_smoothquant_scales_replay(tiny_llama: Path, tmp_path: Path) -> None:
     saved = tmp_path / "smooth.safetensors"
     nearest = dict(method="int8", gptq_weights=False)  # GPTQ rounding would need data again
-    quantize_model(tiny_llama, tmp_path / "a", scales_path=saved, **nearest, **CALIB)
+    quantize_model(tiny_llama, tmp_path / "a", QuantizeSettings(**nearest, **CALIB), scales=saved)
     result = ScaleResult.load(saved)
     assert list(result.scales) == [
         "model.layers.0.input_layernorm",
@@ -375,7 +391,9 @@ def test_smoothquant_scales_replay(tiny_llama: Path, tmp_path: Path) -> None:
         "model.layers.1.mlp.gate_proj",
         "model.layers.1.mlp.up_proj",
     ]
-    quantize_model(tiny_llama, tmp_path / "b", scales_path=saved, calib="nope.txt", **nearest)
+    quantize_model(
+        tiny_llama, tmp_path / "b", QuantizeSettings(calib="nope.txt", **nearest), scales=saved
+    )
     a, b = _tensors(tmp_path / "a"), _tensors(tmp_path / "b")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
@@ -383,7 +401,9 @@ def test_smoothquant_scales_replay(tiny_llama: Path, tmp_path: Path) -> None:
 def test_ignored_linears_are_named_in_the_configs(tiny_llama: Path, tmp_path: Path) -> None:
     def qconfig(method: str) -> dict:
         out = tmp_path / method
-        quantize_model(tiny_llama, out, method=method, ignore=["lm_head", "o_proj"], **CALIB)
+        quantize_model(
+            tiny_llama, out, QuantizeSettings(method=method, ignore=["lm_head", "o_proj"], **CALIB)
+        )
         sd = _tensors(out)
         assert sd["model.layers.1.self_attn.o_proj.weight"].dtype in (torch.float16, torch.bfloat16)
         return json.loads((out / "config.json").read_text())["quantization_config"]
@@ -412,9 +432,13 @@ def test_quantize_lm_head(method: str, tie: bool, offload: bool, tmp_path: Path)
     out = tmp_path / "q"
     offload_dir = tmp_path / "offload" if offload else None
     quantize_model(
-        base, out, method=method, group_size=32, quantize_lm_head=True, offload_dir=offload_dir,
-        **(CALIB if method == "gptq" else {}),
-    )  # fmt: skip
+        base,
+        out,
+        QuantizeSettings(
+            method=method, group_size=32, quantize_lm_head=True, **CALIB if method == "gptq" else {}
+        ),
+        offload_dir=offload_dir,
+    )
     sd = _tensors(out)
     config = json.loads((out / "config.json").read_text())
     assert "lm_head.weight" not in sd and sd["lm_head.qweight"].shape == (128 // 8, 320)
@@ -442,8 +466,11 @@ def _lm_head(base: Path) -> torch.Tensor:
 
 
 def test_quantize_lm_head_needs_the_gptq_format(tiny_llama: Path, tmp_path: Path) -> None:
-    with pytest.raises(QServeError, match="quantize_lm_head is supported for rtn and gptq"):
-        quantize_model(tiny_llama, tmp_path / "q", method="awq", quantize_lm_head=True)
+    not_awq = "quantize_lm_head: only rtn, gptq use it, but method is awq"
+    with pytest.raises(QServeError, match=not_awq):
+        quantize_model(
+            tiny_llama, tmp_path / "q", QuantizeSettings(method="awq", quantize_lm_head=True)
+        )
 
 
 def test_cli_group_size_takes_auto_and_refuses_words(tmp_path: Path) -> None:
@@ -457,7 +484,7 @@ def test_cli_group_size_takes_auto_and_refuses_words(tmp_path: Path) -> None:
     ok = CliRunner().invoke(cli, [*args, str(tmp_path / "o"), "--group-size", "auto"])
     assert ok.exit_code == 0, ok.output
     bad = CliRunner().invoke(cli, [*args, str(tmp_path / "x"), "--group-size", "big"])
-    assert bad.exit_code == 2 and "'big' is not an integer or auto" in bad.output
+    assert bad.exit_code == 2 and "'big' is not one of -1, 32, 64, 128, auto" in bad.output
 
 
 def test_method_defaults_gptaq_and_gptq_rounding() -> None:
@@ -473,7 +500,8 @@ def test_method_defaults_gptaq_and_gptq_rounding() -> None:
         assert QuantizeSettings(method=method).needs_calibration()
     assert not QuantizeSettings(method="fp8", gptq_weights=False).needs_calibration()
     assert not QuantizeSettings(method="rtn").gptq_weights
-    with pytest.raises(QServeError, match="gptaq is a variant of gptq, not of awq"):
+    with pytest.raises(QServeError, match="gptaq: only gptq uses it, but method is awq"):
         QuantizeSettings(method="awq", gptaq=True)
-    with pytest.raises(QServeError, match="rounds int8 / fp8 weights, not gptq's"):
+    not_gptq = "gptq_weights: only int8, fp8 use it, but method is gptq"
+    with pytest.raises(QServeError, match=not_gptq):
         QuantizeSettings(method="gptq", gptq_weights=True)

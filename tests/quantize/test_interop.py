@@ -145,11 +145,14 @@ AWQ_BACKENDS = {"torch_awq": SAME_FP32, None: BF16}
 @functools.cache
 def our_checkpoint(root: Path, method: str, desc_act: bool, sym: bool) -> Path:
     from qserve.quantize.driver import quantize_model
+    from qserve.quantize.settings import QuantizeSettings
 
     name = f"{method}-{'act' if desc_act else 'natural'}-{'sym' if sym else 'asym'}"
     kwargs = dict(desc_act=desc_act, sym=sym) if method == "gptq" else {}
     return quantize_model(
-        root / "base", root / name, method=method, group_size=GROUP_SIZE, **kwargs, **CALIB
+        root / "base",
+        root / name,
+        QuantizeSettings(method=method, group_size=GROUP_SIZE, **kwargs, **CALIB),
     )
 
 

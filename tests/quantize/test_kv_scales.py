@@ -25,6 +25,8 @@ from qserve.quantize.driver import QuantizeSettings, quantize_model
 from qserve.quantize.kv_scales import KVObserver, fp8_max, kv_scale
 from tests.tiny import save_tiny_llama
 
+from ._helpers import grouped
+
 CALIB = dict(num_samples=8, seq_len=64)
 SCALE_KEYS = [f"model.layers.{i}.self_attn.{kv}_scale" for i in range(2) for kv in "kv"]
 _cache: dict[tuple[str, str], Path] = {}
@@ -44,9 +46,16 @@ def quantized(tiny: Path, tmp_path_factory: pytest.TempPathFactory):
         if (method, kv_cache_dtype) not in _cache:
             out = tmp_path_factory.mktemp("q") / f"{method}-{kv_cache_dtype}"
             quantize_model(
-                tiny, out, method, group_size=32, dtype="float32",
-                kv_cache_dtype=kv_cache_dtype, **CALIB,
-            )  # fmt: skip
+                tiny,
+                out,
+                QuantizeSettings(
+                    method=method,
+                    **grouped(method),
+                    dtype="float32",
+                    kv_cache_dtype=kv_cache_dtype,
+                    **CALIB,
+                ),
+            )
             _cache[method, kv_cache_dtype] = out
         return _cache[method, kv_cache_dtype]
 
@@ -149,11 +158,15 @@ def test_without_kv_cache_dtype_no_scales_and_no_calibration(tiny, tmp_path) -> 
     missing = tmp_path / "missing.txt"
     # methods that need no calibration data of their own (fp8 when it rounds to nearest)
     for method in ("rtn", "fp8"):
-        kw = dict(group_size=32, calib=missing, gptq_weights=False if method == "fp8" else None)
-        out = quantize_model(tiny, tmp_path / method, method, **kw)
+        kw = dict(**grouped(method), calib=missing, gptq_weights=False if method == "fp8" else None)
+        out = quantize_model(tiny, tmp_path / method, QuantizeSettings(method=method, **kw))
         assert not [k for k in tensors(out) if k.endswith(("k_scale", "v_scale"))]
         with pytest.raises(QServeError, match="missing.txt does not exist"):
-            quantize_model(tiny, tmp_path / f"{method}-kv", method, kv_cache_dtype="fp8_e4m3", **kw)
+            quantize_model(
+                tiny,
+                tmp_path / f"{method}-kv",
+                QuantizeSettings(method=method, kv_cache_dtype="fp8_e4m3", **kw),
+            )
         assert not (tmp_path / f"{method}-kv").exists()
 
 
@@ -240,7 +253,8 @@ def test_observer_passes_keys_and_values_through() -> None:
 def test_settings_check_kv_cache_dtype() -> None:
     assert not QuantizeSettings(method="rtn").calibrates_kv_scales
     assert QuantizeSettings(method="rtn", kv_cache_dtype="fp8_e5m2").needs_calibration()
-    with pytest.raises(QServeError, match="kv_cache_dtype must be one of auto, fp8_e4m3"):
+    allowed = r"kv_cache_dtype: 'int8' is not allowed \(allowed: auto, fp8_e4m3, fp8_e5m2\)"
+    with pytest.raises(QServeError, match=allowed):
         QuantizeSettings(method="rtn", kv_cache_dtype="int8")
 
 

@@ -10,6 +10,7 @@ import pytest
 
 from qserve.errors import QServeError
 from qserve.quantize.driver import quantize_model
+from qserve.quantize.settings import QuantizeSettings
 
 
 def _lying_copy(tiny_llama: Path, tmp_path: Path, **config: object) -> Path:
@@ -39,7 +40,7 @@ def test_config_that_does_not_match_the_weights_is_refused(
     monkeypatch.setattr(driver, "quantize_blocks", no_calibration)
     model = _lying_copy(tiny_llama, tmp_path, **change)
     with pytest.raises(QServeError, match=message):
-        quantize_model(model, tmp_path / "out", "gptq", group_size=32)
+        quantize_model(model, tmp_path / "out", QuantizeSettings(method="gptq", group_size=32))
     assert not (tmp_path / "out").exists()
 
 

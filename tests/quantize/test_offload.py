@@ -19,8 +19,9 @@ from qserve.quantize import driver, offload
 from qserve.quantize.calibration import load_calibration_text
 from qserve.quantize.driver import SEARCH_FILE, quantize_model
 from qserve.quantize.export import merge_safetensors
+from qserve.quantize.settings import QuantizeSettings
 
-from ._helpers import make_tiny_model
+from ._helpers import grouped, make_tiny_model
 
 CALIB = dict(num_samples=4, seq_len=32)
 
@@ -65,9 +66,11 @@ def sharded(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _quantize_both(model: Path, tmp_path: Path, calib: Path, **kw) -> tuple[Path, Path]:
-    kw = dict(group_size=32, calib=calib, **CALIB, **kw)
-    plain = quantize_model(model, tmp_path / "plain", **kw)
-    offloaded = quantize_model(model, tmp_path / "offloaded", offload_dir=tmp_path / "off", **kw)
+    kw = dict(**grouped(kw.get("method", "gptq")), calib=calib, **CALIB, **kw)
+    plain = quantize_model(model, tmp_path / "plain", QuantizeSettings(**kw))
+    offloaded = quantize_model(
+        model, tmp_path / "offloaded", QuantizeSettings(**kw), offload_dir=tmp_path / "off"
+    )
     return plain, offloaded
 
 
@@ -115,7 +118,9 @@ def test_sharded_checkpoint(sharded: Path, tiny_llama: Path, calib: Path, tmp_pa
     plain, offloaded = _quantize_both(sharded, tmp_path, calib, method="gptq")
     _assert_same_checkpoint(plain, offloaded)
     from_single = quantize_model(
-        tiny_llama, tmp_path / "single", "gptq", group_size=32, calib=calib, **CALIB
+        tiny_llama,
+        tmp_path / "single",
+        QuantizeSettings(method="gptq", group_size=32, calib=calib, **CALIB),
     )
     assert torch.equal(*(load_file(str(f / "model.safetensors"))[
         "model.layers.1.mlp.down_proj.qweight"] for f in (offloaded, from_single)))  # fmt: skip
@@ -123,10 +128,10 @@ def test_sharded_checkpoint(sharded: Path, tiny_llama: Path, calib: Path, tmp_pa
 
 @pytest.mark.parametrize("method", ["awq", "int8"])
 def test_replayed_search(method: str, tiny_llama: Path, calib: Path, tmp_path: Path) -> None:
-    kw = dict(method=method, group_size=32, calib=calib, **CALIB)
-    searched = quantize_model(tiny_llama, tmp_path / "searched", **kw)
-    replay = dict(scales_path=searched / SEARCH_FILE, offload_dir=tmp_path / "off")
-    replayed = quantize_model(tiny_llama, tmp_path / "replayed", **kw, **replay)
+    kw = dict(method=method, **grouped(method), calib=calib, **CALIB)
+    searched = quantize_model(tiny_llama, tmp_path / "searched", QuantizeSettings(**kw))
+    replay = dict(scales=searched / SEARCH_FILE, offload_dir=tmp_path / "off")
+    replayed = quantize_model(tiny_llama, tmp_path / "replayed", QuantizeSettings(**kw), **replay)
     _assert_same_checkpoint(searched, replayed)
 
 
@@ -165,8 +170,13 @@ def test_one_block_in_memory_at_a_time(
         files.append(len(list((tmp_path / "off").glob("*/*.safetensors"))))
 
     kw = dict(group_size=32, calib=calib, kv_cache_dtype="fp8_e4m3", **CALIB)
-    quantize_model(tiny_llama, tmp_path / "o", "gptq", progress=progress,
-                   offload_dir=tmp_path / "off", **kw)  # fmt: skip
+    quantize_model(
+        tiny_llama,
+        tmp_path / "o",
+        QuantizeSettings(method="gptq", **kw),
+        progress=progress,
+        offload_dir=tmp_path / "off",
+    )
     assert counts == {"capture": [0], "quantize": [1, 1], "outputs": [1, 1], "done": [0, 0]}
     assert files == [1, 2]  # one file per finished block
     layers = models[0].model.layers
@@ -182,7 +192,12 @@ def test_existing_offload_dir_is_left_as_it_was(
 ) -> None:
     (tmp_path / "off").mkdir()
     (tmp_path / "off" / "mine.txt").write_text("keep me")
-    quantize_model(tiny_llama, tmp_path / "o", "rtn", group_size=32, offload_dir=tmp_path / "off")
+    quantize_model(
+        tiny_llama,
+        tmp_path / "o",
+        QuantizeSettings(method="rtn", group_size=32),
+        offload_dir=tmp_path / "off",
+    )
     assert [p.name for p in (tmp_path / "off").iterdir()] == ["mine.txt"]
 
 
@@ -198,13 +213,23 @@ def test_offload_folder_is_removed_on_error(
     quantize_block = driver.quantize_block
     monkeypatch.setattr(driver, "quantize_block", fail)
     with pytest.raises(RuntimeError, match="boom"):
-        quantize_model(tiny_llama, tmp_path / "o", "rtn", offload_dir=tmp_path / "a" / "off")
+        quantize_model(
+            tiny_llama,
+            tmp_path / "o",
+            QuantizeSettings(method="rtn"),
+            offload_dir=tmp_path / "a" / "off",
+        )
     assert not (tmp_path / "a").exists() and not (tmp_path / "o").exists()
 
 
 def _error(model: Path, tmp_path: Path, offload_dir: Path) -> str:
     with pytest.raises(QServeError) as err:
-        quantize_model(model, tmp_path / "o", "rtn", group_size=32, offload_dir=offload_dir)
+        quantize_model(
+            model,
+            tmp_path / "o",
+            QuantizeSettings(method="rtn", group_size=32),
+            offload_dir=offload_dir,
+        )
     assert "\n" not in str(err.value) and not (tmp_path / "o").exists()
     return str(err.value)
 

@@ -64,12 +64,17 @@ def test_cli_without_output_writes_model_method_scheme(monkeypatch, tiny_llama: 
 
 def test_checkpoint_permissions_follow_the_umask(tiny_llama: Path, tmp_path, umask_027) -> None:
     """Not mkdtemp's 0700: folders 0777 and files 0666 less the umask, as save_pretrained."""
-    folder = quantize_model(tiny_llama, tmp_path / "q", "awq", group_size=32, num_samples=2,
-                            seq_len=32)  # fmt: skip
+    folder = quantize_model(
+        tiny_llama,
+        tmp_path / "q",
+        QuantizeSettings(method="awq", group_size=32, num_samples=2, seq_len=32),
+    )
     assert (folder / "qserve" / "search_scales.safetensors").is_file()  # a subfolder too
     assert _modes(folder) == {("dir", 0o750), ("file", 0o640)}
     os.umask(0o022)
-    folder = quantize_model(tiny_llama, tmp_path / "r", "rtn", group_size=32)
+    folder = quantize_model(
+        tiny_llama, tmp_path / "r", QuantizeSettings(method="rtn", group_size=32)
+    )
     assert _modes(folder) == {("dir", 0o755), ("file", 0o644)}
 
 
@@ -156,7 +161,9 @@ def test_provenance_is_written_inside_the_checkpoint(tiny_llama: Path, tmp_path:
     from qserve.model.loader import read_provenance
     from qserve.quantize.export import PROVENANCE_FILE
 
-    folder = quantize_model(tiny_llama, tmp_path / "q", "rtn", group_size=32)
+    folder = quantize_model(
+        tiny_llama, tmp_path / "q", QuantizeSettings(method="rtn", group_size=32)
+    )
     made_by = read_provenance(folder)
     assert made_by["recipe"] is None and made_by["effective"]["method"] == "rtn"
     assert made_by["effective"]["group_size"] == 32

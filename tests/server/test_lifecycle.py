@@ -93,7 +93,7 @@ def _serve_process(model_dir: Path, drain_timeout: str) -> Iterator[tuple[subpro
     base_url = f"http://127.0.0.1:{port}"
     command = [sys.executable, "-m", "qserve.cli", "serve", str(model_dir), "--port", str(port),
                "--served-model-name", MODEL_NAME, "--dtype", "float32", "--kv-cache-memory",
-               "1MiB", "--threads", "1", "--drain-timeout", drain_timeout]  # fmt: skip
+               "1MiB", "--num-threads", "1", "--drain-timeout", drain_timeout]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     env.pop("QSERVE_API_KEY", None)
     process = subprocess.Popen(command, env=env, stderr=subprocess.PIPE)

@@ -1,0 +1,242 @@
+"""The commands that run the engine: generate, serve, eval."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import fields
+from typing import Any
+
+import click
+
+from qserve.commands.common import engine_config, engine_options, limit_options
+from qserve.errors import QServeError
+
+
+@click.command()
+@engine_options
+@click.option(
+    "-p",
+    "--prompt",
+    "prompts",
+    multiple=True,
+    required=True,
+    help="Prompt text; repeat for a batch.",
+)
+@click.option("--max-tokens", default=64, show_default=True, type=click.IntRange(1))
+@click.option("--temperature", default=0.0, show_default=True, type=float)
+@click.option("--top-p", default=1.0, show_default=True, type=float)
+@click.option("--top-k", default=0, show_default=True, type=int)
+@click.option("--min-p", default=0.0, show_default=True, type=float)
+@click.option("--seed", default=None, type=int)
+@click.option("--stop", multiple=True, help="Stop string; repeatable.")
+@click.option("--ignore-eos", is_flag=True)
+@click.option("--json", "as_json", is_flag=True, help="Print results as JSON.")
+def generate(
+    prompts: tuple[str, ...],
+    max_tokens: int,
+    temperature: float,
+    top_p: float,
+    top_k: int,
+    min_p: float,
+    seed: int | None,
+    stop: tuple[str, ...],
+    ignore_eos: bool,
+    as_json: bool,
+    **engine_kw: Any,
+) -> None:
+    """Generate text for one or more prompts (MODEL defaults to smollm2-135m)."""
+    from qserve.engine.llm_engine import LLMEngine
+    from qserve.engine.sampling_params import SamplingParams
+
+    params = SamplingParams(
+        max_tokens=max_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        min_p=min_p,
+        seed=seed,
+        stop=list(stop),
+        ignore_eos=ignore_eos,
+    )
+    engine = LLMEngine(engine_config(**engine_kw))
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, params)
+    stream = len(prompts) == 1 and not as_json
+    finished = _run_to_completion(engine, stream)
+    if as_json:
+        click.echo(json.dumps([_as_dict(finished[str(i)]) for i in range(len(prompts))], indent=2))
+    elif not stream:
+        for i, prompt in enumerate(prompts):
+            click.echo(f"--- {prompt}\n{finished[str(i)].outputs[0].text}")
+
+
+def _run_to_completion(engine: Any, stream: bool) -> dict[str, Any]:
+    finished = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if stream:
+                click.echo(out.outputs[0].delta_text, nl=False)
+            if out.finished:
+                finished[out.request_id] = out
+    if stream:
+        click.echo()
+    return finished
+
+
+def _as_dict(out: Any) -> dict[str, Any]:
+    o = out.outputs[0]
+    return {
+        "prompt": out.prompt,
+        "text": o.text,
+        "token_ids": o.token_ids,
+        "finish_reason": o.finish_reason,
+        "prompt_tokens": len(out.prompt_token_ids),
+    }
+
+
+@click.command()
+@engine_options
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535))
+@click.option(
+    "--api-key",
+    envvar="QSERVE_API_KEY",
+    default=None,
+    help="Require `Authorization: Bearer KEY` on every API route and /metrics "
+    "(env QSERVE_API_KEY).",
+)
+@click.option(
+    "--metrics-public",
+    is_flag=True,
+    help="Serve /metrics without the API key (it shows prefix-cache hits of every client).",
+)
+@click.option(
+    "--allowed-hosts",
+    multiple=True,
+    help="Host header names answered (repeatable; * for any). [default: loopback names when "
+    "bound to loopback (DNS-rebinding guard), else any]",
+)
+@click.option(
+    "--special-tokens-in-content",
+    is_flag=True,
+    help="Parse text like <|im_end|> inside chat messages as the special token, as vLLM does "
+    "(by default it stays text, so a user cannot forge another role's turn).",
+)
+@click.option("--served-model-name", default=None, help="Model id clients send; default: MODEL.")
+@click.option(
+    "--max-queue",
+    default=1024,
+    show_default=True,
+    type=click.IntRange(0),
+    help="Sequences (prompts x n) admitted beyond --max-num-seqs; more get 429 with Retry-After.",
+)
+@limit_options
+@click.option(
+    "--max-tokens-default",
+    default=None,
+    type=click.IntRange(1),
+    help="max_tokens of a request that gives none. [default: 16 on /v1/completions (vLLM's), "
+    "the rest of the context on chat (OpenAI's)]",
+)
+@click.option(
+    "--stream-timeout",
+    default=60.0,
+    show_default=True,
+    type=click.FloatRange(0, min_open=True),
+    help="Seconds a streaming client may read nothing before it is cut off and its request "
+    "aborted.",
+)
+@click.option(
+    "--drain-timeout",
+    default=30.0,
+    show_default=True,
+    type=click.FloatRange(0),
+    help="Seconds Ctrl-C / SIGTERM waits for requests in flight.",
+)
+def serve(
+    host: str,
+    port: int,
+    api_key: str | None,
+    metrics_public: bool,
+    allowed_hosts: tuple[str, ...],
+    special_tokens_in_content: bool,
+    served_model_name: str | None,
+    max_queue: int,
+    max_tokens_default: int | None,
+    stream_timeout: float,
+    drain_timeout: float,
+    **engine_kw: Any,
+) -> None:
+    """Serve MODEL behind an OpenAI-compatible HTTP API (MODEL defaults to smollm2-135m)."""
+    from qserve.engine.llm_engine import LLMEngine
+    from qserve.model.builtin import DEFAULT_MODEL
+    from qserve.server.limits import RequestLimits
+
+    try:
+        from qserve.server.api_server import ServerConfig, run_server
+    except ImportError as exc:
+        if (exc.name or "").startswith("qserve"):
+            raise
+        raise QServeError(
+            f"qserve serve needs the server packages ({exc.name} is missing): "
+            "pip install 'qserve[serve]'"
+        ) from None
+    config = ServerConfig(
+        served_model_name=served_model_name or engine_kw["model"] or DEFAULT_MODEL,
+        host=host,
+        port=port,
+        api_key=api_key or None,
+        metrics_public=metrics_public,
+        allowed_hosts=allowed_hosts or None,
+        special_tokens_in_content=special_tokens_in_content,
+        max_queue=max_queue,
+        drain_timeout=drain_timeout,
+        stream_timeout=stream_timeout,
+        limits=RequestLimits(**{f.name: engine_kw.pop(f.name) for f in fields(RequestLimits)}),
+        max_tokens_default=max_tokens_default,
+    )
+    engine = LLMEngine(engine_config(**engine_kw))
+    run_server(engine, config)
+
+
+@click.command("eval")
+@engine_options
+@click.option(
+    "--data",
+    required=True,
+    help="A .txt file, a folder of .txt files (name order), or moby-dick-eval (chapters 1-10).",
+)
+@click.option("--seq-len", default=512, show_default=True, type=click.IntRange(2))
+@click.option(
+    "--max-tokens",
+    default=None,
+    type=click.IntRange(1),
+    help="Score only the first N tokens of the data (same tokens for every model).",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+def eval_command(
+    data: str, seq_len: int, max_tokens: int | None, as_json: bool, **engine_kw: Any
+) -> None:
+    """Perplexity of MODEL (a folder, quantized checkpoint or alias) on --data, in
+    non-overlapping --seq-len windows, through the engine's paged KV cache."""
+    from qserve.engine.llm_engine import LLMEngine
+    from qserve.eval import evaluate_text, load_eval_text
+
+    text = load_eval_text(data)  # fails fast, before the model loads
+    engine = LLMEngine(engine_config(**engine_kw))
+    result = evaluate_text(engine, text, seq_len, max_tokens)
+    if as_json:
+        info = {
+            "model": engine_kw["model"],
+            "data": data,
+            "seq_len": seq_len,
+            "max_tokens": max_tokens,
+            "dtype": str(engine.dtype).removeprefix("torch."),
+            "kv_cache_dtype": engine.config.kv_cache_dtype,
+        }
+        click.echo(json.dumps({**info, **result.to_dict()}))
+        return
+    click.echo(
+        f"perplexity {result.perplexity:.4f}  tokens {result.num_tokens}  "
+        f"windows {result.num_windows}  seconds {result.seconds:.2f}"
+    )

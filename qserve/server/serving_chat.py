@@ -171,14 +171,8 @@ class OpenAIServingChat(OpenAIServing):
         counts: UsageInfo | None = None,
     ) -> ChatCompletionStreamResponse:
         """A chunk of `choices`; it has `usage` (null but in the last one) if it was asked."""
-        usage_field = {"usage": counts} if request.include_usage else {}
-        return ChatCompletionStreamResponse(
-            id=request_id,
-            object=CHUNK,
-            created=now(),
-            model=self.served_model_name,
-            choices=choices,
-            **usage_field,
+        return self.stream_chunk(
+            ChatCompletionStreamResponse, CHUNK, request_id, request.include_usage, choices, counts
         )
 
 

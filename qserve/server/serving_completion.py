@@ -175,14 +175,8 @@ class OpenAIServingCompletion(OpenAIServing):
         counts: UsageInfo | None = None,
     ) -> CompletionStreamResponse:
         """A chunk of `choices`; it has `usage` (null but in the last one) if it was asked."""
-        usage_field = {"usage": counts} if request.include_usage else {}
-        return CompletionStreamResponse(
-            id=request_id,
-            object=OBJECT,
-            created=now(),
-            model=self.served_model_name,
-            choices=choices,
-            **usage_field,
+        return self.stream_chunk(
+            CompletionStreamResponse, OBJECT, request_id, request.include_usage, choices, counts
         )
 
 

@@ -9,6 +9,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 from qserve.engine.outputs import OutputAccumulator, RequestOutput
 from qserve.engine.sampling_params import SamplingParams
@@ -17,6 +18,8 @@ from qserve.server.limits import RequestLimits
 from qserve.server.logprobs import is_byte_level, token_bytes
 from qserve.server.protocol import APIError
 from qserve.server.responses import ErrorResponse, UsageInfo
+
+Chunk = TypeVar("Chunk")
 
 logger = logging.getLogger("qserve")
 
@@ -90,6 +93,26 @@ class OpenAIServing:
             text = self.tokenizer.decode([token_id])
             self._token_texts[token_id] = text
         return text
+
+    def stream_chunk(
+        self,
+        chunk_type: type[Chunk],
+        object_name: str,
+        request_id: str,
+        include_usage: bool,
+        choices: list[Any],
+        counts: UsageInfo | None = None,
+    ) -> Chunk:
+        """A stream chunk of `choices`; it has `usage` (null but in the last one) if asked."""
+        usage_field = {"usage": counts} if include_usage else {}
+        return chunk_type(
+            id=request_id,
+            object=object_name,
+            created=now(),
+            model=self.served_model_name,
+            choices=choices,
+            **usage_field,
+        )
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """KV capacity: how many of the throughput workload's requests run at once in a fixed KV budget.
 
     python benchmarks/kv_capacity.py [--model smollm2-135m] [--kv-cache-memory 256MiB]
-        [--num-requests 256] [--seed 0] [--block-size 16] [--threads 2]
+        [--num-requests 256] [--seed 0] [--block-size 16] [--num-threads 2]
         [--sweep 128MiB 512MiB] [--no-validate] [--full-validation] [--quick]
         [--output benchmarks/results/kv_capacity.json]
 
@@ -217,7 +217,7 @@ def make_engine(model: str, args: argparse.Namespace, kv: str, num_seqs: int) ->
         kv_cache_dtype="auto" if kv == "bf16" else kv,
         block_size=args.block_size,
         max_num_seqs=max(num_seqs, 1),
-        num_threads=args.threads,
+        num_threads=args.num_threads,
     ).engine
 
 
@@ -292,7 +292,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     from qserve.model.loader import load_tokenizer
     from qserve.model.resolve import resolve_model
 
-    torch.set_num_threads(args.threads)
+    torch.set_num_threads(args.num_threads)
     path = resolve_model(args.model)
     config = ModelConfig.from_pretrained(path)
     workload = workload_config(args)
@@ -407,7 +407,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num-requests", type=int, default=None, help="256 (8 with --quick)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--num-threads", type=int, default=2)
     p.add_argument(
         "--sweep",
         nargs="*",

@@ -3,7 +3,7 @@
     python benchmarks/quality.py [--model smollm2-135m] [--methods rtn,gptq,gptq-plain,gptq-act,
         awq,int8,fp8,fp8-rtn,fp8-kv,gptqmodel,autoawq] [--group-size auto] [--num-samples 32]
         [--calib-seq-len 256] [--seq-len 512] [--max-tokens 2048] [--dtype bfloat16]
-        [--threads 1] [--output benchmarks/results/quality.json]
+        [--num-threads 1] [--output benchmarks/results/quality.json]
 
 Calibration: the bundled Moby-Dick chapters 11-135 (`qserve.quantize` default). Evaluation:
 chapters 1-10 (`moby-dick-eval`; both bundled in qserve/data), the first `--max-tokens` tokens
@@ -278,7 +278,7 @@ def make_engine(folder: Path, kv_cache_dtype: str, args: argparse.Namespace) -> 
             dtype=args.dtype,
             kv_cache_memory=args.kv_cache_memory,
             kv_cache_dtype=kv_cache_dtype,
-            num_threads=args.threads,
+            num_threads=args.num_threads,
         )
     )
 
@@ -397,7 +397,7 @@ def measure(
 ) -> dict[str, Any]:
     """Every row in turn; `on_row` gets the summary so far after each (a long run that dies
     keeps its finished rows)."""
-    torch.set_num_threads(args.threads)
+    torch.set_num_threads(args.num_threads)
     model = resolve_model(args.model)
     ids = eval_tokens(model)
     if args.group_size == "auto":
@@ -462,7 +462,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--kv-cache-memory", default="64MiB")
-    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--num-threads", type=int, default=1)
     p.add_argument("--output", type=Path, default=DEFAULT_OUTPUT)
     args = p.parse_args(argv)
     args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]

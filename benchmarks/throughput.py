@@ -2,7 +2,7 @@
 and decode speed of quantized checkpoints against the dense model.
 
     python benchmarks/throughput.py [--num-requests 64] [--seed 0] [--dtype auto]
-        [--threads 2] [--max-num-seqs 64] [--kv-cache-memory 1GiB] [--skip-hf] [--quick]
+        [--num-threads 2] [--max-num-seqs 64] [--kv-cache-memory 1GiB] [--skip-hf] [--quick]
         [--checkpoint DIR ...] [--decode-batch-sizes 1 64] [--decode-prompt-len 128]
         [--decode-steps 16] [--skip-decode] [--skip-workload]
         [--output benchmarks/results/throughput.json]
@@ -101,7 +101,7 @@ def make_llm(args: argparse.Namespace, spec: ModelSpec) -> Any:
         dtype=spec.dtype,
         kv_cache_memory=args.kv_cache_memory,
         max_num_seqs=args.max_num_seqs,
-        num_threads=args.threads,
+        num_threads=args.num_threads,
     )
 
 
@@ -269,7 +269,7 @@ def make_decode_engine(spec: ModelSpec, args: argparse.Namespace, batch: int, to
         dtype=spec.dtype,
         kv_cache_memory=decode_kv_bytes(spec.model, batch, tokens),
         max_num_seqs=batch,
-        num_threads=args.threads,
+        num_threads=args.num_threads,
     )
     return llm.engine
 
@@ -417,7 +417,7 @@ def hf_generate(model: Any, pad_id: int, prompts: list[list[int]], new_tokens: i
 
 
 def run_hf(requests: list[BenchRequest], args: argparse.Namespace, model_path: Path) -> RunResult:
-    torch.set_num_threads(args.threads)
+    torch.set_num_threads(args.num_threads)
     model, pad_id = load_hf(model_path, DTYPES[args.dtype])
     batches = [requests[i : i + HF_BATCH_SIZE] for i in range(0, len(requests), HF_BATCH_SIZE)]
     hf_generate(model, pad_id, [r.prompt_token_ids[:16] for r in batches[0]], 4)  # warm-up
@@ -591,7 +591,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="dense model in the workload run; auto: the engine's rule (bf16 where the CPU "
         "computes it natively, else fp32)",
     )
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--num-threads", type=int, default=2)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--kv-cache-memory", default="1GiB")
     p.add_argument("--skip-hf", action="store_true", help="no transformers run")
@@ -662,7 +662,7 @@ def main(argv: list[str] | None = None) -> int:
     from qserve.model.loader import load_tokenizer
     from qserve.model.resolve import resolve_model
 
-    torch.set_num_threads(args.threads)
+    torch.set_num_threads(args.num_threads)
     model_path = resolve_model(args.model)
     tokenizer = load_tokenizer(model_path)
     requests = make_workload(tokenizer, workload_config(args))

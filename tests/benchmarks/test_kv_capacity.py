@@ -94,7 +94,7 @@ def test_arguments() -> None:
 def test_real_engine_matches_the_simulation(tiny: Path, tmp_path: Path) -> None:
     # Tiny model: 2 layers x 2 KV heads x 16 dims -> 256 B/token in bf16, 4 KiB a block.
     out = tmp_path / "kv.json"
-    argv = ["--model", str(tiny), "--quick", "--kv-cache-memory", "64KiB", "--threads", "1"]
+    argv = ["--model", str(tiny), "--quick", "--kv-cache-memory", "64KiB", "--num-threads", "1"]
     argv += ["--full-validation", "--sweep", "32KiB", "--output", str(out)]
     assert kc.main(argv) == 0
     summary = json.loads(out.read_text())

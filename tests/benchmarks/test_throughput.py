@@ -117,7 +117,7 @@ def test_workload_ratios_are_to_the_dense_run() -> None:
 
 def test_smoke_run_on_a_tiny_model(tiny: Path, tmp_path: Path) -> None:
     out = tmp_path / "throughput.json"
-    argv = ["--model", str(tiny), "--quick", "--skip-hf", "--threads", "1"]
+    argv = ["--model", str(tiny), "--quick", "--skip-hf", "--num-threads", "1"]
     argv += ["--decode-batch-sizes", "1", "3", "--decode-steps", "2", "--output", str(out)]
     assert tp.main(argv) == 0
     summary = json.loads(out.read_text())

@@ -245,6 +245,10 @@ class LLMEngine:
             for child in children:
                 self._samples.pop(child, None)
 
+    def request_ids(self) -> list[str]:
+        """The requests in the engine (running, waiting or with samples left)."""
+        return list(self.requests)
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 

@@ -162,7 +162,7 @@ def _add_routes(app: FastAPI, server: Server) -> None:
     async def detokenize(request: Request) -> dict[str, Any]:
         body = await parse_body(request, DetokenizeRequest, server.config.limits)
         server.completion.check_model(body.model)
-        vocab = server.engine.engine.model_config.vocab_size
+        vocab = server.engine.vocab_size
         if any(not 0 <= t < vocab for t in body.tokens):
             raise QServeError(f"token ids must be in [0, {vocab})", param="tokens")
         prompt = await server.engine.tokenizer.decode(body.tokens)
@@ -175,8 +175,8 @@ def _model_card(server: Server) -> ModelCard:
         object="model",
         created=now(),
         owned_by="qserve",
-        root=str(server.engine.engine.config.model or server.config.served_model_name),
-        max_model_len=server.engine.engine.max_model_len,
+        root=str(server.engine.model_path or server.config.served_model_name),
+        max_model_len=server.engine.max_model_len,
     )
 
 
@@ -188,7 +188,7 @@ async def _tokenize(server: Server, body: TokenizeRequest) -> TokenizeResponse:
         tokens = await server.chat.prompt_ids(body.messages, body.add_generation_prompt)
     else:
         tokens = await server.engine.tokenize(body.prompt or "", body.add_special_tokens)
-    max_model_len = server.engine.engine.max_model_len
+    max_model_len = server.engine.max_model_len
     return TokenizeResponse(tokens=tokens, count=len(tokens), max_model_len=max_model_len)
 
 

@@ -131,6 +131,27 @@ class AsyncLLMEngine:
         self._thread = threading.Thread(target=self._run, name="qserve-engine", daemon=True)
         self._thread.start()
 
+    # -- what the server reads of the engine (fixed once it is built) ----------------------------
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.model_config.vocab_size
+
+    @property
+    def model_path(self) -> str | None:
+        """The model the engine was asked for (None: the built-in default)."""
+        return self.engine.config.model
+
+    @property
+    def hf_tokenizer(self) -> Any:
+        """The engine's tokenizer, for token -> text lookups on the event loop (encoding goes
+        through `tokenize`, on the tokenizer thread)."""
+        return self.engine.tokenizer
+
     @property
     def is_alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and not self._stopping
@@ -279,7 +300,7 @@ class AsyncLLMEngine:
         self.observer.on_abort(request_id)
 
     def _abort_all(self) -> None:
-        for request_id in list(self.engine.requests):
+        for request_id in self.engine.request_ids():
             self._abort_now(self.engine, request_id)
 
     def _resolve(

@@ -68,7 +68,7 @@ class OpenAIServingChat(OpenAIServing):
         are added), refused before rendering when the messages alone overflow the context."""
         worker = self.engine.tokenizer
         text = "".join(m.template_dict()["content"] for m in messages)
-        check_text_length(text, self.engine.engine.max_model_len, worker.max_token_chars)
+        check_text_length(text, self.engine.max_model_len, worker.max_token_chars)
         return await worker.chat_token_ids(
             messages, generation_prompt, self.special_tokens_in_content
         )

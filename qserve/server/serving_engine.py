@@ -36,7 +36,7 @@ class OpenAIServing:
         self.served_model_name = served_model_name
         self.limits = limits or RequestLimits()
         self.max_tokens_default = max_tokens_default
-        self.tokenizer = engine.engine.tokenizer
+        self.tokenizer = engine.hf_tokenizer
         self._token_texts: dict[int, str] = {}
         self._token_bytes: dict[int, list[int]] = {}
         self._byte_level = is_byte_level(self.tokenizer)

@@ -55,8 +55,14 @@ _LLAMA = ArchSpec(
     ),
 )
 
-# model_type (config.json) -> spec. Mistral and Qwen2 share Llama's block layout.
-ARCHITECTURES: dict[str, ArchSpec] = {"llama": _LLAMA, "mistral": _LLAMA, "qwen2": _LLAMA}
+# model_type (config.json) -> spec. Mistral, Qwen2 and Qwen3 share Llama's block layout (Qwen3's
+# q_norm / k_norm act per head after the projections: they fold nothing and are left in float).
+ARCHITECTURES: dict[str, ArchSpec] = {
+    "llama": _LLAMA,
+    "mistral": _LLAMA,
+    "qwen2": _LLAMA,
+    "qwen3": _LLAMA,
+}
 
 
 def arch_spec(model_type: str) -> ArchSpec:

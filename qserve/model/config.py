@@ -20,12 +20,16 @@ class ArchitectureSpec:
     model_type: str
     qkv_bias: bool | None  # None: read config["attention_bias"] (default False)
     o_proj_bias_follows_qkv: bool  # Llama puts attention_bias on o_proj too; Qwen2 does not
+    qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k, before RoPE
 
 
 ARCHITECTURES: dict[str, ArchitectureSpec] = {
     "LlamaForCausalLM": ArchitectureSpec("llama", qkv_bias=None, o_proj_bias_follows_qkv=True),
     "MistralForCausalLM": ArchitectureSpec("mistral", qkv_bias=None, o_proj_bias_follows_qkv=True),
     "Qwen2ForCausalLM": ArchitectureSpec("qwen2", qkv_bias=True, o_proj_bias_follows_qkv=False),
+    "Qwen3ForCausalLM": ArchitectureSpec(
+        "qwen3", qkv_bias=None, o_proj_bias_follows_qkv=True, qk_norm=True
+    ),
 }
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -63,6 +67,7 @@ class ModelConfig:
     eos_token_ids: list[int]
     torch_dtype: torch.dtype  # dtype the checkpoint was saved in
     sliding_window: int | None = None  # None when absent or no shorter than the context
+    qk_norm: bool = False  # per-head RMSNorm of q and k before RoPE (q_norm / k_norm)
     quantization: QuantScheme | None = None  # None: a dense checkpoint
 
     @property
@@ -124,6 +129,7 @@ class ModelConfig:
             eos_token_ids=_eos_token_ids(raw, generation or {}),
             torch_dtype=_dtype(raw, source),
             sliding_window=_sliding_window(raw, max_pos),
+            qk_norm=spec.qk_norm,
             quantization=parse_quant_scheme(raw.get("quantization_config"), source),
         )
 

@@ -1,4 +1,4 @@
-"""The Llama family (Llama, Mistral, Qwen2) written for a flat varlen batch over paged KV.
+"""The Llama family (Llama, Mistral, Qwen2, Qwen3) written for a flat varlen batch over paged KV.
 
 Module names mirror Hugging Face's so checkpoint keys load directly (`model.layers.0.self_attn.
 q_proj.weight`, ...). q/k/v and gate/up stay separate `Linear` modules: quantized layers are
@@ -138,6 +138,9 @@ class LlamaAttention(nn.Module):
         self.head_dim = config.head_dim
         self.qkv_sizes = [config.q_size, config.kv_size, config.kv_size]
         self.qkv_proj: MergedLinear | None = None  # set by merge()
+        eps = config.rms_norm_eps
+        self.q_norm = RMSNorm(config.head_dim, eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(config.head_dim, eps) if config.qk_norm else None
         self.attn = Attention(
             config.num_attention_heads,
             config.num_key_value_heads,
@@ -156,9 +159,15 @@ class LlamaAttention(nn.Module):
             q, k, v = self.q_proj(hidden), self.k_proj(hidden), self.v_proj(hidden)
         else:  # views into one [num_tokens, q + 2 kv] output
             q, k, v = self.qkv_proj(hidden).split_with_sizes(self.qkv_sizes, dim=-1)
+        if self.q_norm is not None:
+            q, k = self._head_norm(self.q_norm, q), self._head_norm(self.k_norm, k)
         q, k = rope.apply(q, k)  # [num_tokens, num_heads / num_kv_heads * head_dim]
         out = self.attn(q, k, v, kv_cache, attn_metadata)  # [num_tokens, num_heads * head_dim]
         return self.o_proj(out)
+
+    def _head_norm(self, norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
+        """RMSNorm over each head_dim slice of x [num_tokens, heads * head_dim] (Qwen3)."""
+        return norm(x.reshape(-1, self.head_dim)).view(x.shape[0], -1)
 
     def merge(self) -> bool:
         """Fuse q/k/v into one matmul if their kernel path allows; True if merged."""
@@ -241,7 +250,7 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """Llama/Mistral/Qwen2 causal LM over a flat batch of new tokens from many sequences."""
+    """Llama/Mistral/Qwen2/Qwen3 causal LM over a flat batch of new tokens from many sequences."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()

@@ -1,0 +1,82 @@
+"""Tiny random Hugging Face models of every architecture qserve runs (no download), with
+norms and biases randomized so they matter."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+_COMMON = dict(
+    hidden_size=64,
+    intermediate_size=160,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+    rms_norm_eps=1e-5,
+)
+
+# name -> (HF model class, config). Llama: tied embeddings and llama3 RoPE scaling (with a short
+# original context, so that the scaling changes frequencies); Qwen2: q/k/v bias, untied;
+# Mistral: explicit head_dim unlike hidden/heads, no sliding window; Qwen3: q/k norms per head,
+# head_dim 32 (not hidden / heads), attention bias on q/k/v/o.
+TINY_MODELS = {
+    "llama": (
+        LlamaForCausalLM,
+        LlamaConfig(
+            vocab_size=300,
+            tie_word_embeddings=True,
+            rope_parameters={
+                "rope_type": "llama3",
+                "rope_theta": 500000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 32,
+            },
+            **_COMMON,
+        ),
+    ),
+    "qwen2": (
+        Qwen2ForCausalLM,
+        Qwen2Config(vocab_size=512, tie_word_embeddings=False, rope_theta=1e6, **_COMMON),
+    ),
+    "mistral": (
+        MistralForCausalLM,
+        MistralConfig(vocab_size=1000, head_dim=32, sliding_window=None, **_COMMON),
+    ),
+    "qwen3": (
+        Qwen3ForCausalLM,
+        Qwen3Config(
+            vocab_size=400, head_dim=32, attention_bias=True, tie_word_embeddings=True, **_COMMON
+        ),
+    ),
+}
+
+
+def build_tiny_model(name: str, seed: int = 0, **overrides: Any) -> torch.nn.Module:
+    """The tiny `name` model; `overrides` change its config (e.g. vocab_size)."""
+    cls, config = TINY_MODELS[name]
+    if overrides:
+        config = copy.deepcopy(config)
+        for key, value in overrides.items():
+            setattr(config, key, value)
+    torch.manual_seed(seed)
+    model = cls(config).eval()
+    with torch.no_grad():  # HF inits norms to 1 and biases to 0: randomize them so they matter
+        for pname, param in model.named_parameters():
+            if "norm" in pname or pname.endswith("bias"):
+                param.add_(torch.randn_like(param) * 0.1)
+    return model

@@ -55,6 +55,22 @@ _LLAMA = ArchSpec(
     ),
 )
 
+# Phi-3: q/k/v and gate/up are one linear each. Scales fold from the norms into them; v -> o and
+# up -> down do not fold (the previous linear's output holds q and k, or gate, too).
+_PHI3 = ArchSpec(
+    blocks="model.layers",
+    sequential=(
+        ("self_attn.qkv_proj",),
+        ("self_attn.o_proj",),
+        ("mlp.gate_up_proj",),
+        ("mlp.down_proj",),
+    ),
+    mappings=(
+        ScaleMapping("input_layernorm", ("self_attn.qkv_proj",)),
+        ScaleMapping("post_attention_layernorm", ("mlp.gate_up_proj",)),
+    ),
+)
+
 # model_type (config.json) -> spec. Mistral, Qwen2 and Qwen3 share Llama's block layout (Qwen3's
 # q_norm / k_norm act per head after the projections: they fold nothing and are left in float).
 ARCHITECTURES: dict[str, ArchSpec] = {
@@ -62,6 +78,7 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     "mistral": _LLAMA,
     "qwen2": _LLAMA,
     "qwen3": _LLAMA,
+    "phi3": _PHI3,
 }
 
 

@@ -12,6 +12,8 @@ from transformers import (
     LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
+    Phi3Config,
+    Phi3ForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
     Qwen3Config,
@@ -56,6 +58,10 @@ TINY_MODELS = {
     "mistral": (
         MistralForCausalLM,
         MistralConfig(vocab_size=1000, head_dim=32, sliding_window=None, **_COMMON),
+    ),
+    "phi3": (  # fused qkv_proj / gate_up_proj; its pad id must lie inside the tiny vocab
+        Phi3ForCausalLM,
+        Phi3Config(vocab_size=350, pad_token_id=0, bos_token_id=1, eos_token_id=2, **_COMMON),
     ),
     "qwen3": (
         Qwen3ForCausalLM,

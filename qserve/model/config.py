@@ -21,6 +21,7 @@ class ArchitectureSpec:
     qkv_bias: bool | None  # None: read config["attention_bias"] (default False)
     o_proj_bias_follows_qkv: bool  # Llama puts attention_bias on o_proj too; Qwen2 does not
     qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k, before RoPE
+    fused_projections: bool = False  # Phi-3: one qkv_proj, one gate_up_proj in the checkpoint
 
 
 ARCHITECTURES: dict[str, ArchitectureSpec] = {
@@ -29,6 +30,9 @@ ARCHITECTURES: dict[str, ArchitectureSpec] = {
     "Qwen2ForCausalLM": ArchitectureSpec("qwen2", qkv_bias=True, o_proj_bias_follows_qkv=False),
     "Qwen3ForCausalLM": ArchitectureSpec(
         "qwen3", qkv_bias=None, o_proj_bias_follows_qkv=True, qk_norm=True
+    ),
+    "Phi3ForCausalLM": ArchitectureSpec(
+        "phi3", qkv_bias=False, o_proj_bias_follows_qkv=False, fused_projections=True
     ),
 }
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
@@ -68,6 +72,7 @@ class ModelConfig:
     torch_dtype: torch.dtype  # dtype the checkpoint was saved in
     sliding_window: int | None = None  # None when absent or no shorter than the context
     qk_norm: bool = False  # per-head RMSNorm of q and k before RoPE (q_norm / k_norm)
+    fused_projections: bool = False  # qkv_proj / gate_up_proj modules instead of q/k/v, gate/up
     quantization: QuantScheme | None = None  # None: a dense checkpoint
 
     @property
@@ -130,6 +135,7 @@ class ModelConfig:
             torch_dtype=_dtype(raw, source),
             sliding_window=_sliding_window(raw, max_pos),
             qk_norm=spec.qk_norm,
+            fused_projections=spec.fused_projections,
             quantization=parse_quant_scheme(raw.get("quantization_config"), source),
         )
 

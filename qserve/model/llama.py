@@ -1,9 +1,12 @@
-"""The Llama family (Llama, Mistral, Qwen2, Qwen3) written for a flat varlen batch over paged KV.
+"""The Llama family (Llama, Mistral, Qwen2, Qwen3, Phi-3) written for a flat varlen batch over
+paged KV.
 
 Module names mirror Hugging Face's so checkpoint keys load directly (`model.layers.0.self_attn.
 q_proj.weight`, ...). q/k/v and gate/up stay separate `Linear` modules: quantized layers are
 swapped in per module by name. After loading, `merge_projections` fuses each group whose kernel
 path allows it into one matmul (`qserve.model.merge`); the forward passes take either form.
+Phi-3's checkpoints hold them fused already: its layers have `qkv_proj` and `gate_up_proj`
+modules (q, k, v and gate, up in that order along the output dim), quantized as one linear each.
 """
 
 from __future__ import annotations
@@ -131,13 +134,17 @@ class LlamaAttention(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         hidden, bias = config.hidden_size, config.attention_bias
-        self.q_proj = Linear(hidden, config.q_size, bias=bias)
-        self.k_proj = Linear(hidden, config.kv_size, bias=bias)
-        self.v_proj = Linear(hidden, config.kv_size, bias=bias)
+        self.qkv_sizes = [config.q_size, config.kv_size, config.kv_size]
+        self.fused = config.fused_projections
+        self.qkv_proj: MergedLinear | None = None  # set by merge(), or the checkpoint's (Phi-3)
+        if self.fused:
+            self.qkv_proj = Linear(hidden, sum(self.qkv_sizes), bias=bias)
+        else:
+            self.q_proj = Linear(hidden, config.q_size, bias=bias)
+            self.k_proj = Linear(hidden, config.kv_size, bias=bias)
+            self.v_proj = Linear(hidden, config.kv_size, bias=bias)
         self.o_proj = Linear(config.q_size, hidden, bias=config.o_proj_bias)
         self.head_dim = config.head_dim
-        self.qkv_sizes = [config.q_size, config.kv_size, config.kv_size]
-        self.qkv_proj: MergedLinear | None = None  # set by merge()
         eps = config.rms_norm_eps
         self.q_norm = RMSNorm(config.head_dim, eps) if config.qk_norm else None
         self.k_norm = RMSNorm(config.head_dim, eps) if config.qk_norm else None
@@ -171,6 +178,8 @@ class LlamaAttention(nn.Module):
 
     def merge(self) -> bool:
         """Fuse q/k/v into one matmul if their kernel path allows; True if merged."""
+        if self.fused:
+            return True
         self.qkv_proj = merge_linears([self.q_proj, self.k_proj, self.v_proj])
         return self.qkv_proj is not None
 
@@ -179,10 +188,14 @@ class LlamaMLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         hidden, inter, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
-        self.gate_proj = Linear(hidden, inter, bias=bias)
-        self.up_proj = Linear(hidden, inter, bias=bias)
+        self.fused = config.fused_projections
+        self.gate_up_proj: MergedLinear | None = None  # set by merge(), or the checkpoint's
+        if self.fused:
+            self.gate_up_proj = Linear(hidden, 2 * inter, bias=bias)
+        else:
+            self.gate_proj = Linear(hidden, inter, bias=bias)
+            self.up_proj = Linear(hidden, inter, bias=bias)
         self.down_proj = Linear(inter, hidden, bias=bias)
-        self.gate_up_proj: MergedLinear | None = None  # set by merge()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_proj is None:
@@ -191,6 +204,8 @@ class LlamaMLP(nn.Module):
 
     def merge(self) -> bool:
         """Fuse gate/up into one matmul if their kernel path allows; True if merged."""
+        if self.fused:
+            return True
         self.gate_up_proj = merge_linears([self.gate_proj, self.up_proj])
         return self.gate_up_proj is not None
 
@@ -250,7 +265,7 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """Llama/Mistral/Qwen2/Qwen3 causal LM over a flat batch of new tokens from many sequences."""
+    """The Llama family's causal LM over a flat batch of new tokens from many sequences."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()

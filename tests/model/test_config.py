@@ -110,7 +110,8 @@ def test_unsupported_architecture_names_it_and_the_supported_list(tmp_path):
         ModelConfig.from_pretrained(folder)
     assert str(err.value) == (
         f"{folder}/config.json: architecture GPT2LMHeadModel is not supported; expected one of: "
-        "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM"
+        "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, "
+        "Phi3ForCausalLM"
     )
 
 

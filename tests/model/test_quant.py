@@ -156,7 +156,8 @@ def fake_quant_inputs(model: torch.nn.Module, folder: Path) -> None:
                 input_scale = tensors.get(f"{module_name}.input_scale")
                 module.register_forward_pre_hook(_fake_quant_hook(linear_scheme, input_scale))
     for layer in model.model.layers:  # the hooks fire on the modules: call them one by one
-        layer.self_attn.qkv_proj = layer.mlp.gate_up_proj = None
+        if not layer.self_attn.fused:  # Phi-3's fused modules are the checkpoint's own
+            layer.self_attn.qkv_proj = layer.mlp.gate_up_proj = None
 
 
 def _fake_quant_hook(scheme: LinearScheme, input_scale: torch.Tensor | None):

@@ -63,6 +63,24 @@ TINY_MODELS = {
         Phi3ForCausalLM,
         Phi3Config(vocab_size=350, pad_token_id=0, bos_token_id=1, eos_token_id=2, **_COMMON),
     ),
+    "phi3-longrope": (  # LongRoPE over an original context of 32: prompts and outputs cross it
+        Phi3ForCausalLM,
+        Phi3Config(
+            vocab_size=350,
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=2,
+            original_max_position_embeddings=32,
+            rope_parameters={
+                "rope_type": "longrope",
+                "rope_theta": 10000.0,
+                "short_factor": [1.0 + 0.1 * i for i in range(8)],  # head_dim 16: 8 frequencies
+                "long_factor": [2.0 + 0.5 * i for i in range(8)],
+                "original_max_position_embeddings": 32,
+            },
+            **_COMMON,
+        ),
+    ),
     "qwen3": (
         Qwen3ForCausalLM,
         Qwen3Config(

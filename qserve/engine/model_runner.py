@@ -116,6 +116,7 @@ class ModelRunner:
             query_start_loc=query_start_loc.to(self.device),
             seq_lens_cpu=seq_lens,
             query_lens_cpu=query_lens,
+            prompt_lens_cpu=[s.request.num_prompt_tokens for s in scheduled],
         )
         return ModelInput(
             input_ids=torch.tensor(token_ids, dtype=torch.int64, device=self.device),

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -25,6 +25,8 @@ class AttentionMetadata:
     query_start_loc: torch.Tensor  # int32 [num_seqs + 1]: offsets into the flat batch
     seq_lens_cpu: list[int]
     query_lens_cpu: list[int]
+    # each sequence's prompt length (LongRoPE picks its frequencies by it); [] when unknown
+    prompt_lens_cpu: list[int] = field(default_factory=list)
 
     @property
     def num_seqs(self) -> int:

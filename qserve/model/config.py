@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,19 +36,23 @@ ARCHITECTURES: dict[str, ArchitectureSpec] = {
         "phi3", qkv_bias=False, o_proj_bias_follows_qkv=False, fused_projections=True
     ),
 }
-SUPPORTED_ROPE_TYPES = ("default", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "llama3", "longrope")
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 @dataclass(frozen=True)
 class RopeScaling:
-    """Llama 3.1 style frequency scaling (`rope_type: llama3`)."""
+    """Llama 3.1 frequency scaling (`rope_type: llama3`) or Phi-3's LongRoPE (`longrope`: per
+    frequency `short_factor` / `long_factor` divisors, cos and sin times `attention_factor`)."""
 
     rope_type: str
     factor: float
-    low_freq_factor: float
-    high_freq_factor: float
-    original_max_position_embeddings: int
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 1.0
+    original_max_position_embeddings: int = 0
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
+    attention_factor: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -193,6 +198,8 @@ def _rope(raw: dict[str, Any], source: str) -> tuple[float, RopeScaling | None]:
         raise QServeError(f"{source}: partial_rotary_factor is not supported; expected 1.0")
     if rope_type == "default":
         return theta, None
+    if rope_type == "longrope":
+        return theta, _longrope(raw, params, source)
     try:
         return theta, RopeScaling(
             rope_type=rope_type,
@@ -203,6 +210,34 @@ def _rope(raw: dict[str, Any], source: str) -> tuple[float, RopeScaling | None]:
         )
     except KeyError as exc:
         raise QServeError(f"{source}: llama3 rope scaling lacks {exc.args[0]!r}") from None
+
+
+def _longrope(raw: dict[str, Any], params: dict[str, Any], source: str) -> RopeScaling:
+    """Phi-3's LongRoPE, with transformers' defaults: factor = max / original positions and
+    attention_factor = sqrt(1 + ln(factor) / ln(original)) when not given."""
+    original = params.get("original_max_position_embeddings")
+    original = int(original or raw.get("original_max_position_embeddings") or 0)
+    head_dim = int(raw.get("head_dim") or raw["hidden_size"] // raw["num_attention_heads"])
+    short, long = params.get("short_factor"), params.get("long_factor")
+    for name, factors in (("short_factor", short), ("long_factor", long)):
+        if not isinstance(factors, list) or len(factors) != head_dim // 2:
+            raise QServeError(f"{source}: longrope {name} must list head_dim / 2 numbers")
+    if original <= 0:
+        raise QServeError(f"{source}: longrope needs original_max_position_embeddings")
+    factor = float(params.get("factor") or raw["max_position_embeddings"] / original)
+    attention_factor = params.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = (
+            1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
+        )
+    return RopeScaling(
+        "longrope",
+        factor,
+        original_max_position_embeddings=original,
+        short_factor=tuple(float(f) for f in short),
+        long_factor=tuple(float(f) for f in long),
+        attention_factor=float(attention_factor),
+    )
 
 
 def _as_id_list(value: Any) -> list[int]:

@@ -77,8 +77,30 @@ def _llama3_scale(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
+def longrope_inv_freq(
+    head_dim: int, theta: float, factors: tuple[float, ...], device: torch.device | str | None
+) -> torch.Tensor:
+    """LongRoPE's inverse frequencies: the plain ones divided by one factor each."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim
+    ext = torch.tensor(factors, dtype=torch.float32, device=device)
+    return 1.0 / (ext * theta**exponents)
+
+
+def _cos_sin_cache(inv_freq: torch.Tensor, num_positions: int) -> torch.Tensor:
+    positions = torch.arange(num_positions, dtype=torch.int64, device=inv_freq.device).float()
+    freqs = positions[:, None] * inv_freq[None, :]  # [num_positions, head_dim // 2]
+    return torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+
+
 class RotaryEmbedding(nn.Module):
     """Rotate-half (neox) RoPE with a cos/sin cache indexed by position.
+
+    LongRoPE (Phi-3) keeps two caches in one: rows [0, original) with the short factors, then
+    rows for every position with the long factors, both times attention_factor. A token takes
+    the long rows when transformers would: when its sequence's prompt, or the sequence up to the
+    token itself, is longer than `original_max_position_embeddings` (transformers switches per
+    forward call: the whole prompt, then one token at a time), so a prompt chunked or recomputed
+    after preemption rotates exactly as it would in one piece.
 
     cos_sin_cache: fp32 [max_position_embeddings, head_dim] = cat(cos(freqs), sin(freqs)),
     freqs = position * inv_freq ([max_pos, head_dim // 2]). A non-persistent buffer: the loader
@@ -94,18 +116,46 @@ class RotaryEmbedding(nn.Module):
         # Built on the default device (cheap under `torch.device("meta")`; see init_cache).
         self.register_buffer("cos_sin_cache", self._compute_cache(None), persistent=False)
 
+    @property
+    def longrope(self) -> bool:
+        return self.scaling is not None and self.scaling.rope_type == "longrope"
+
     def _compute_cache(self, device: torch.device | str | None) -> torch.Tensor:
+        if self.longrope:
+            return self._longrope_cache(device)
         inv_freq = rope_inv_freq(self.head_dim, self.theta, self.scaling, device)
-        positions = torch.arange(self.max_position, dtype=torch.int64, device=device).float()
-        freqs = positions[:, None] * inv_freq[None, :]  # [max_pos, head_dim // 2]
-        return torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+        return _cos_sin_cache(inv_freq, self.max_position)
+
+    def _longrope_cache(self, device: torch.device | str | None) -> torch.Tensor:
+        s = self.scaling
+        short = longrope_inv_freq(self.head_dim, self.theta, s.short_factor, device)
+        long = longrope_inv_freq(self.head_dim, self.theta, s.long_factor, device)
+        caches = (
+            _cos_sin_cache(short, s.original_max_position_embeddings),
+            _cos_sin_cache(long, self.max_position),
+        )
+        return torch.cat(caches) * s.attention_factor
 
     def init_cache(self, device: torch.device | str) -> None:
         self.cos_sin_cache = self._compute_cache(device)
 
-    def forward(self, positions: torch.Tensor) -> Rope:
+    def forward(
+        self, positions: torch.Tensor, attn_metadata: AttentionMetadata | None = None
+    ) -> Rope:
         """The rotation of one step's tokens (positions int64 [num_tokens]), for every layer."""
+        if self.longrope:
+            positions = self._longrope_rows(positions, attn_metadata)
         return Rope(positions, self.cos_sin_cache, self.head_dim)
+
+    def _longrope_rows(self, positions: torch.Tensor, md: AttentionMetadata | None) -> torch.Tensor:
+        """Each token's row of the cache: its position, past the short rows if it goes long."""
+        original = self.scaling.original_max_position_embeddings
+        prompt_lens = torch.zeros_like(positions)
+        if md is not None and md.prompt_lens_cpu:
+            lens, counts = torch.tensor(md.prompt_lens_cpu), torch.tensor(md.query_lens_cpu)
+            prompt_lens = torch.repeat_interleave(lens, counts).to(positions.device)
+        long = torch.maximum(prompt_lens, positions + 1) > original
+        return positions + long.to(positions.dtype) * original
 
 
 class Rope:
@@ -255,7 +305,7 @@ class LlamaModel(nn.Module):
         attn_metadata: AttentionMetadata,
     ) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)  # [num_tokens, hidden]
-        rope = self.rotary_emb(positions)
+        rope = self.rotary_emb(positions, attn_metadata)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden, residual = layer(hidden, residual, rope, kv_cache, attn_metadata)

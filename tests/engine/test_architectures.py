@@ -15,7 +15,7 @@ from qserve.engine.sampling_params import SamplingParams
 from tests.tiny import byte_bpe_tokenizer
 from tests.tiny_models import TINY_MODELS, build_tiny_model
 
-PROMPT_LENS = [5, 40, 17, 70, 1, 33]
+PROMPT_LENS = [5, 40, 25, 70, 1, 33]  # 25 + 12 output tokens crosses 32 (LongRoPE)
 MAX_TOKENS = 12
 BLOCK_SIZE = 16
 

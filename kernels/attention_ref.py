@@ -12,9 +12,16 @@ The batch is flat and varlen: sequence i owns query rows
 `query_start_loc[i]:query_start_loc[i + 1]`; its query token j sits at position
 `seq_lens[i] - query_len_i + j` and attends to keys 0..that position (causal within the chunk,
 everything in earlier pages). Decode is the case query_len_i == 1.
+
+Sliding window (Mistral's `sliding_window`, Gemma 3's local layers): with `sliding_window=W` the
+token at position p attends to key positions (p - W, p] only, i.e. the last W tokens including
+itself; transformers' `sliding_window_causal_mask_function(W)` keeps `q - W < kv <= q`, the same
+mask. None is full causal attention. The readers skip the pages before the window.
 """
 
 from __future__ import annotations
+
+import operator
 
 import torch
 import torch.nn.functional as F
@@ -97,26 +104,72 @@ def gather_kv(
     return out[0], out[1]
 
 
-def _decode_attention(query, kv_cache, block_tables, seq_lens, scale, k_scale, v_scale):
+def check_window(sliding_window: int | None) -> int | None:
+    """None (full causal attention) or a window of at least one token."""
+    if sliding_window is None:
+        return None
+    if isinstance(sliding_window, bool) or operator.index(sliding_window) < 1:
+        raise ValueError(f"sliding_window must be None or >= 1, got {sliding_window!r}")
+    return operator.index(sliding_window)
+
+
+def window_start(last_pos: int, sliding_window: int | None) -> int:
+    """The first key position that the query at `last_pos` sees (0 without a window)."""
+    return 0 if sliding_window is None else max(0, last_pos - sliding_window + 1)
+
+
+def _window_tables(
+    block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int, sliding_window: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decode rows: each row's block table shifted to the page holding its window's first key,
+    and that page's first position [S]. Columns past a table's end repeat its last entry."""
+    first_block = (seq_lens - sliding_window).clamp(min=0) // block_size
+    offset = first_block * block_size
+    num_blocks = -(-int((seq_lens - offset).max()) // block_size)
+    cols = first_block[:, None] + torch.arange(num_blocks, device=seq_lens.device)
+    cols = cols.clamp(max=block_tables.shape[1] - 1).to(block_tables.device, torch.int64)
+    return block_tables.gather(1, cols), offset
+
+
+def _decode_attention(
+    query, kv_cache, block_tables, seq_lens, scale, k_scale, v_scale, sliding_window=None
+):
     """Sequences with one query token each, in one batched call. query [S, H, D].
 
     The query heads that share a KV head are laid out as that head's query rows
-    ([S, kv_heads, group, D]), which keeps SDPA on its fast kernel in bf16 on CPU."""
+    ([S, kv_heads, group, D]), which keeps SDPA on its fast kernel in bf16 on CPU. With a
+    window, only the pages from the window's first one on are gathered."""
     num_seqs, num_heads, head_dim = query.shape
-    max_len = int(seq_lens.max())
+    seq_lens = seq_lens.to(query.device)
+    offset = torch.zeros_like(seq_lens)  # position of the first gathered key, per row
+    if sliding_window is not None:
+        block_tables, offset = _window_tables(
+            block_tables, seq_lens, kv_cache.shape[2], sliding_window
+        )
+    max_len = int((seq_lens - offset).max())
     k, v = gather_kv(kv_cache, block_tables, max_len, query.dtype, k_scale, v_scale)
     num_kv_heads = k.shape[1]
-    pos = torch.arange(max_len, device=query.device)
-    past_end = pos[None, :] >= seq_lens[:, None].to(pos.device)  # [S, L]
+    pos = offset[:, None] + torch.arange(max_len, device=query.device)  # [S, L]
+    hidden = pos >= seq_lens[:, None]
+    if sliding_window is not None:
+        hidden |= pos <= seq_lens[:, None] - 1 - sliding_window
     mask = torch.zeros(num_seqs, 1, 1, max_len, dtype=query.dtype, device=query.device)
-    mask.masked_fill_(past_end[:, None, None, :], float("-inf"))
+    mask.masked_fill_(hidden[:, None, None, :], float("-inf"))
     q = query.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
     return out.reshape(num_seqs, num_heads, head_dim)
 
 
 def _decode_attention_bucketed(
-    query, kv_cache, block_tables, seq_lens, scale, k_scale, v_scale, bucket: int = 32
+    query,
+    kv_cache,
+    block_tables,
+    seq_lens,
+    scale,
+    k_scale,
+    v_scale,
+    sliding_window=None,
+    bucket: int = 32,
 ):
     """Decode rows sorted by length and run in buckets, so short sequences are not padded to
     the longest one's length."""
@@ -124,22 +177,40 @@ def _decode_attention_bucketed(
     out = torch.empty_like(query)
     for rows in order.split(bucket):
         out[rows] = _decode_attention(
-            query[rows], kv_cache, block_tables[rows], seq_lens[rows], scale, k_scale, v_scale
+            query[rows],
+            kv_cache,
+            block_tables[rows],
+            seq_lens[rows],
+            scale,
+            k_scale,
+            v_scale,
+            sliding_window,
         )
     return out
 
 
-def _chunk_attention(query, kv_cache, block_table, seq_len, scale, k_scale, v_scale):
-    """One sequence with a chunk of query tokens [Q, H, D] at the end of its seq_len keys."""
-    k, v = gather_kv(kv_cache, block_table[None], seq_len, query.dtype, k_scale, v_scale)
-    q = query.transpose(0, 1).unsqueeze(0)  # [1, H, Q, D]
+def _chunk_attention(
+    query, kv_cache, block_table, seq_len, scale, k_scale, v_scale, sliding_window=None
+):
+    """One sequence with a chunk of query tokens [Q, H, D] at the end of its seq_len keys.
+
+    With a window, keys are gathered from the page that holds the first query's first key."""
     q_len = query.shape[0]
-    if q_len == seq_len:
+    block_size = kv_cache.shape[2]
+    first = window_start(seq_len - q_len, sliding_window) // block_size  # first page read
+    offset = first * block_size
+    k, v = gather_kv(
+        kv_cache, block_table[None, first:], seq_len - offset, query.dtype, k_scale, v_scale
+    )
+    q = query.transpose(0, 1).unsqueeze(0)  # [1, H, Q, D]
+    if q_len == seq_len and sliding_window is None:
         mask, causal = None, True
     else:
         q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
-        k_pos = torch.arange(seq_len, device=query.device)
+        k_pos = torch.arange(offset, seq_len, device=query.device)
         mask, causal = k_pos[None, :] <= q_pos[:, None], False
+        if sliding_window is not None:
+            mask &= k_pos[None, :] > q_pos[:, None] - sliding_window
     out = F.scaled_dot_product_attention(
         q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True
     )
@@ -155,11 +226,14 @@ def paged_attention_ref(
     scale: float,
     k_scale: Scale = 1.0,
     v_scale: Scale = 1.0,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """query [num_tokens, num_heads, head_dim] -> out [num_tokens, num_heads, head_dim].
 
-    Decode rows are batched into one call; each prompt chunk runs on its own.
+    Decode rows are batched into one call; each prompt chunk runs on its own. `sliding_window`:
+    see the module docstring (None = full causal attention).
     """
+    sliding_window = check_window(sliding_window)
     out = torch.empty_like(query)
     starts = query_start_loc.tolist()
     decode = [i for i, (a, b) in enumerate(zip(starts[:-1], starts[1:])) if b - a == 1]
@@ -167,10 +241,26 @@ def paged_attention_ref(
         rows = torch.tensor([starts[i] for i in decode], device=query.device)
         idx = torch.tensor(decode, device=query.device)
         out[rows] = _decode_attention_bucketed(
-            query[rows], kv_cache, block_tables[idx], seq_lens[idx], scale, k_scale, v_scale
+            query[rows],
+            kv_cache,
+            block_tables[idx],
+            seq_lens[idx],
+            scale,
+            k_scale,
+            v_scale,
+            sliding_window,
         )
     chunk_attention_ref(
-        out, query, kv_cache, block_tables, seq_lens, query_start_loc, scale, k_scale, v_scale
+        out,
+        query,
+        kv_cache,
+        block_tables,
+        seq_lens,
+        query_start_loc,
+        scale,
+        k_scale,
+        v_scale,
+        sliding_window,
     )
     return out
 
@@ -185,14 +275,23 @@ def chunk_attention_ref(
     scale: float,
     k_scale: Scale = 1.0,
     v_scale: Scale = 1.0,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Fill the rows of `out` that belong to prompt chunks (query_len > 1), one sequence at a
     time; decode rows are left untouched."""
+    sliding_window = check_window(sliding_window)
     starts = query_start_loc.tolist()
     seq_lens_list = seq_lens.tolist()
     for i, (a, b) in enumerate(zip(starts[:-1], starts[1:])):
         if b - a > 1:
             out[a:b] = _chunk_attention(
-                query[a:b], kv_cache, block_tables[i], seq_lens_list[i], scale, k_scale, v_scale
+                query[a:b],
+                kv_cache,
+                block_tables[i],
+                seq_lens_list[i],
+                scale,
+                k_scale,
+                v_scale,
+                sliding_window,
             )
     return out

@@ -2,13 +2,18 @@
 
 Same contract as `attention_ref.paged_attention_ref`. Decode rows (one query token per sequence)
 read K/V where they sit in the pages, with an online softmax in fp32, parallel over
-(sequence, KV head); prompt chunks stay on the torch reference.
+(sequence, KV head); prompt chunks stay on the torch reference. With a sliding window W a decode
+row reads only its last W keys (pages before the window are skipped: O(W), not O(context)).
 
 The source is compiled once per machine with `torch.utils.cpp_extension.load` (-O3 -march=native,
 cached in the torch extensions dir, keyed by the CPU capability so a shared cache never hands
 one CPU another's build). Nothing compiles at import. If compiling fails (no compiler, no ninja)
 one warning is logged and every call takes the torch reference. `QSERVE_CPU_KERNELS=0` turns the
 C++ path off.
+
+A change to the source (the C signature included) needs no cache-key bump: the extensions dir is
+rebuilt by ninja whenever the .cpp or a header it includes is newer than the library, and within
+one process torch's versioner rebuilds when the source's hash changes.
 """
 
 from __future__ import annotations
@@ -19,7 +24,12 @@ import functools
 import torch
 
 from qserve.kernels import cpu_build
-from qserve.kernels.attention_ref import Scale, chunk_attention_ref, paged_attention_ref
+from qserve.kernels.attention_ref import (
+    Scale,
+    check_window,
+    chunk_attention_ref,
+    paged_attention_ref,
+)
 
 ENV_VAR = cpu_build.ENV_VAR
 enabled = cpu_build.enabled
@@ -63,6 +73,7 @@ _ARGS = (
     ("k_scale", _ptr),
     ("v_scale", _ptr),
     ("scale", ctypes.c_float),
+    ("sliding_window", _i32),  # 0 = full causal attention
     ("num_threads", _i32),
     ("num_chunks", ctypes.POINTER(_i32)),  # out: sequences with > 1 query row (not computed)
 )
@@ -150,11 +161,13 @@ def paged_attention_decode(
     scale: float,
     k_scale: Scale = 1.0,
     v_scale: Scale = 1.0,
+    sliding_window: int | None = None,
 ) -> int:
     """Fill the rows of `out` [num_tokens, num_heads, head_dim] that belong to decode sequences
     (one query token each); other rows are left untouched. Returns the number of sequences with
     more than one query token (prompt chunks) that it left to the caller."""
     _check(query, kv_cache, block_tables, seq_lens, query_start_loc)
+    window = check_window(sliding_window) or 0
     if out.shape != query.shape or out.dtype != query.dtype or out.stride(-1) != 1:
         raise ValueError("out must have query's shape and dtype and a contiguous last dim")
     lib = load_library()
@@ -170,7 +183,7 @@ def paged_attention_decode(
         kv_cache.data_ptr(), PAGE_DTYPES[kv_cache.dtype], num_blocks, block_size,
         num_kv_heads, head_dim, query.shape[1],
         tables.data_ptr(), tables.stride(0), tables.shape[1], lens.data_ptr(), qsl.data_ptr(),
-        lens.shape[0], query.shape[0], k_s.data_ptr(), v_s.data_ptr(), scale,
+        lens.shape[0], query.shape[0], k_s.data_ptr(), v_s.data_ptr(), scale, window,
         torch.get_num_threads(), ctypes.byref(num_chunks),
     )  # fmt: skip
     if status:
@@ -187,16 +200,16 @@ def paged_attention(
     scale: float,
     k_scale: Scale = 1.0,
     v_scale: Scale = 1.0,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """query [num_tokens, num_heads, head_dim] -> out: decode rows through the C++ kernel,
     prompt chunks through the torch reference. The whole batch takes the reference when the
     kernel is off, unsupported here or failed to compile."""
-    if not usable(query, kv_cache):
-        return paged_attention_ref(
-            query, kv_cache, block_tables, seq_lens, query_start_loc, scale, k_scale, v_scale
-        )
-    out = torch.empty_like(query)
     args = (kv_cache, block_tables, seq_lens, query_start_loc, scale, k_scale, v_scale)
+    if not usable(query, kv_cache):
+        return paged_attention_ref(query, *args, sliding_window)
+    out = torch.empty_like(query)
+    args = (*args, sliding_window)
     if paged_attention_decode(out, query, *args):
         chunk_attention_ref(out, query, *args)
     return out

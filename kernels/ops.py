@@ -98,14 +98,24 @@ def paged_attention(
     scale: float,
     k_scale: Scale = 1.0,
     v_scale: Scale = 1.0,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Attention of a flat varlen batch of queries over paged K/V (see attention_ref): Triton
-    on CUDA, the C++ decode kernel on CPU (falls back to the reference itself), else torch."""
+    on CUDA, the C++ decode kernel on CPU (falls back to the reference itself), else torch.
+    `sliding_window` W: each query sees the last W positions up to itself (None = all)."""
     ref = paged_attention_ref
     if query.is_cpu and cpu_paged_attention.enabled():
         ref = cpu_paged_attention.paged_attention
     return _pick(query, ref, "paged_attention.paged_attention")(
-        query, kv_cache, block_tables, seq_lens, query_start_loc, scale, k_scale, v_scale
+        query,
+        kv_cache,
+        block_tables,
+        seq_lens,
+        query_start_loc,
+        scale,
+        k_scale,
+        v_scale,
+        sliding_window=sliding_window,
     )
 
 

@@ -7,8 +7,8 @@ Same contract as `attention_ref.paged_attention_ref`:
     block_tables [num_seqs, max_blocks]  seq_lens [num_seqs]  query_start_loc (qsl) [num_seqs+1]
 
 Query token j of a chunk of length q_len sits at position seq_len - q_len + j and attends to keys
-0..that position. FP8 pages hold x / scale; the scale (per tensor or per KV head) is multiplied
-back after the load.
+0..that position; with a sliding window W (SLIDING), to the last W of them only, (pos - W, pos].
+FP8 pages hold x / scale; the scale (per tensor or per KV head) is multiplied back after the load.
 
 One program = (sequence, KV head, tile of BLOCK_Q query tokens). GQA: the program's rows are all
 query heads that share the KV head, so each K/V tile is loaded once per group:
@@ -18,7 +18,10 @@ query heads that share the KV head, so each K/V tile is loaded once per group:
     (GROUP = num_heads // num_kv_heads, GROUP_P = next power of 2; padding rows are masked)
 
 Keys are visited BLOCK_N tokens at a time, each token's page looked up in the block table (so
-BLOCK_N need not equal the page size), with an online softmax in fp32 (flash attention).
+BLOCK_N need not equal the page size), with an online softmax in fp32 (flash attention). With a
+window, a program starts at the first key its first row sees, so the keys before every row's
+window are never loaded (decode reads W keys, not seq_len); flash-decoding splits divide the
+window, not the whole context.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from qserve.kernels.attention_ref import Scale, is_fp8
+from qserve.kernels.attention_ref import Scale, check_window, is_fp8
 
 
 @triton.jit
@@ -48,6 +51,7 @@ def _paged_attention_kernel(
     num_heads,
     num_tokens,
     kv_per_split,
+    window,
     stride_qt,
     stride_qh,
     stride_ot,
@@ -66,6 +70,7 @@ def _paged_attention_kernel(
     KV_FP8: tl.constexpr,
     DOT_F32: tl.constexpr,
     SPLIT_KV: tl.constexpr,
+    SLIDING: tl.constexpr,
 ):
     BLOCK_Q: tl.constexpr = BLOCK_M // GROUP_P
     seq = tl.program_id(0)
@@ -103,9 +108,12 @@ def _paged_attention_kernel(
     acc = tl.zeros((BLOCK_M, HEAD_DIM), dtype=tl.float32)
     # the last key any row of this tile may see
     kv_end = tl.minimum(ctx_len + (q_tile + 1) * BLOCK_Q, seq_len)
+    # the first key any row of this tile may see
     kv_start = 0
+    if SLIDING:
+        kv_start = tl.maximum(ctx_len + q_tile * BLOCK_Q - window + 1, 0)
     if SPLIT_KV:
-        kv_start = split * kv_per_split
+        kv_start = kv_start + split * kv_per_split
         kv_end = tl.minimum(kv_start + kv_per_split, kv_end)
     for start in range(kv_start, kv_end, BLOCK_N):
         t = start + tl.arange(0, BLOCK_N)  # key positions
@@ -123,6 +131,8 @@ def _paged_attention_kernel(
         else:
             s = tl.dot(q, tl.trans(k.to(q.dtype)))
         visible = (t[None, :] <= q_pos[:, None]) & t_ok[None, :]
+        if SLIDING:
+            visible = visible & (t[None, :] > q_pos[:, None] - window)
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         # rows that have seen no key yet keep m = -inf: use 0 to avoid inf - inf
@@ -156,7 +166,7 @@ def _paged_attention_kernel(
 def _merge_splits(part_acc: torch.Tensor, part_ml: torch.Tensor, out: torch.Tensor) -> None:
     """Combine split-KV partials: part_acc [T, H, S, D], part_ml [2, T, H, S] (m, l)."""
     m, l_sum = part_ml[0], part_ml[1]
-    m_max = m.amax(dim=-1, keepdim=True)  # finite: split 0 always sees key 0
+    m_max = m.amax(dim=-1, keepdim=True)  # finite: some split sees the query's own key
     w = torch.exp(m - m_max)  # [T, H, S]; empty splits (m = -inf) weigh 0
     denom = (l_sum * w).sum(dim=-1, keepdim=True)  # [T, H, 1]
     out.copy_((part_acc * w.unsqueeze(-1)).sum(dim=-2) / denom)
@@ -191,12 +201,15 @@ def paged_attention(
     v_scale: Scale = 1.0,
     max_query_len: int | None = None,
     num_kv_splits: int | None = None,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """query [num_tokens, num_heads, head_dim] -> out [num_tokens, num_heads, head_dim].
 
     For an all-decode batch the keys of each sequence are split over `num_kv_splits` programs
     (flash decoding) when sequences x KV heads alone would leave the GPU idle; None picks it.
+    `sliding_window` W: each query sees the last W positions up to itself (None = all).
     """
+    sliding_window = check_window(sliding_window)
     if query.dim() != 3 or kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
         raise ValueError(
             f"bad shapes: query {tuple(query.shape)}, kv_cache {tuple(kv_cache.shape)}"
@@ -233,7 +246,9 @@ def paged_attention(
     block_tables = block_tables.to(torch.int32).contiguous()
     splits, kv_per_split = 1, 0
     if max_query_len == 1:
-        splits, kv_per_split = _kv_splits(num_seqs * num_kv_heads, seq_lens, block_n, num_kv_splits)
+        splits, kv_per_split = _kv_splits(
+            num_seqs * num_kv_heads, seq_lens, block_n, num_kv_splits, sliding_window
+        )
     if splits > 1:
         grid = (num_seqs, num_kv_heads, splits)
         part_acc = torch.empty(
@@ -260,6 +275,7 @@ def paged_attention(
         num_heads,
         num_tokens,
         kv_per_split,
+        sliding_window or 0,
         query.stride(0),
         query.stride(1),
         out.stride(0),
@@ -278,6 +294,7 @@ def paged_attention(
         KV_FP8=fp8,
         DOT_F32=not query.is_cuda or query.dtype == torch.float32,
         SPLIT_KV=splits > 1,
+        SLIDING=sliding_window is not None,
         num_warps=4,
         num_stages=2,
     )
@@ -287,10 +304,17 @@ def paged_attention(
 
 
 def _kv_splits(
-    programs: int, seq_lens: torch.Tensor, block_n: int, num_kv_splits: int | None
+    programs: int,
+    seq_lens: torch.Tensor,
+    block_n: int,
+    num_kv_splits: int | None,
+    sliding_window: int | None = None,
 ) -> tuple[int, int]:
-    """(number of key splits, keys per split as a multiple of block_n) for a decode batch."""
+    """(number of key splits, keys per split as a multiple of block_n) for a decode batch; with
+    a window, of the window's keys (a decode row reads at most W)."""
     max_seq_len = int(seq_lens.max())
+    if sliding_window is not None:
+        max_seq_len = min(max_seq_len, sliding_window)
     if num_kv_splits is None:
         if not seq_lens.is_cuda:
             return 1, 0

@@ -8,6 +8,10 @@
 //   query_start_loc [num_seqs + 1] int32: sequence i owns query rows qsl[i]:qsl[i + 1]
 //   k_scale, v_scale [num_kv_heads] fp32: the FP8 page scales (ones for other page dtypes)
 //
+// sliding_window W > 0: the query (at position seq_len - 1) sees keys (seq_len - 1 - W,
+// seq_len - 1] only, the last W tokens; the key loop starts at the first of them, in the middle
+// of its page if need be, so a decode costs O(W) rather than O(seq_len). 0 = every key.
+//
 // Only sequences with exactly one query row are computed; the output rows of the others are
 // left as they are (the caller runs prompt chunks elsewhere). One work item = (sequence, a
 // range of KV heads; all of them unless there are too few sequences to keep the threads busy),
@@ -20,8 +24,9 @@
 //   l     = alpha * l + sum_t p[t];     acc[g] = alpha * acc[g] + sum_t p[t] * v[t]
 // and at the end out[g] = acc[g] * v_scale[h] / l.
 //
-// A plain C entry point (called through ctypes) keeps the build to this file and cpu_vec.h
-// (the 8-float vectors and exp8), without torch's headers: a few seconds to compile.
+// A plain C entry point (called through ctypes) keeps the build to this file, cpu_vec.h (the
+// 8-float vectors and exp8) and paged_attention_dtypes.h (element conversions), without torch's
+// headers: a few seconds to compile.
 
 #include <algorithm>
 #include <array>
@@ -33,13 +38,12 @@
 #include <vector>
 
 #include "cpu_vec.h"
+#include "paged_attention_dtypes.h"
 
 namespace {
 
 using namespace qserve_cpu;
-
-// dtype codes shared with cpu_paged_attention.py
-enum DType : int { kF32 = 0, kBF16 = 1, kF16 = 2, kE4M3 = 3, kE5M2 = 4 };
+using namespace qserve_paged;  // DType, element conversions
 
 enum Status : int {
   kOk = 0, kBadDType = 1, kBadHeadDim = 2, kBadSeqLen = 3, kBadBlockId = 4, kBadQueryStart = 5
@@ -75,127 +79,6 @@ inline vec8 hsum8(const vec8* a) {
 
 inline float exp1(float x) { return exp8(splat(x))[0]; }
 
-// ------------------------------------------------------------------- element <-> fp32
-
-inline float bits_to_float(uint32_t u) {
-  float f;
-  std::memcpy(&f, &u, sizeof(f));
-  return f;
-}
-
-inline uint32_t float_to_bits(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, sizeof(u));
-  return u;
-}
-
-inline float bf16_to_float(uint16_t h) { return bits_to_float(static_cast<uint32_t>(h) << 16); }
-
-inline uint16_t float_to_bf16(float f) {  // round to nearest even, as torch does
-  const uint32_t u = float_to_bits(f);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;  // NaN
-  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
-
-#if defined(__FLT16_MANT_DIG__) && !defined(QSERVE_NO_FLOAT16)  // GCC >= 12, Clang
-inline float f16_to_float(uint16_t h) {
-  _Float16 x;
-  std::memcpy(&x, &h, sizeof(x));
-  return static_cast<float>(x);
-}
-
-inline uint16_t float_to_f16(float f) {
-  const _Float16 x = static_cast<_Float16>(f);
-  uint16_t h;
-  std::memcpy(&h, &x, sizeof(h));
-  return h;
-}
-#else  // the branch-free conversions c10 uses (FP16 library, M. Dukhan), no denormals needed
-inline float f16_to_float(uint16_t h) {
-  const uint32_t w = static_cast<uint32_t>(h) << 16;
-  const uint32_t sign = w & 0x80000000u, two_w = w + w;
-  const float normalized = bits_to_float((two_w >> 4) + (0xe0u << 23)) * 0x1.0p-112f;
-  const float denormalized = bits_to_float((two_w >> 17) | (126u << 23)) - 0.5f;
-  return bits_to_float(sign | float_to_bits(two_w < (1u << 27) ? denormalized : normalized));
-}
-
-inline uint16_t float_to_f16(float f) {  // round to nearest even
-  float base = (std::fabs(f) * 0x1.0p+112f) * 0x1.0p-110f;
-  const uint32_t w = float_to_bits(f), shl1_w = w + w, sign = w & 0x80000000u;
-  const uint32_t bias = std::max(shl1_w & 0xff000000u, 0x71000000u);
-  base = bits_to_float((bias >> 1) + 0x07800000u) + base;
-  const uint32_t bits = float_to_bits(base);
-  const uint32_t nonsign = ((bits >> 13) & 0x7c00u) + (bits & 0x0fffu);
-  return static_cast<uint16_t>((sign >> 16) | (shl1_w > 0xff000000u ? 0x7e00u : nonsign));
-}
-#endif
-
-inline float e4m3fn_to_float(uint8_t b) {
-  const float sign = (b & 0x80) ? -1.f : 1.f;
-  const int e = (b >> 3) & 0xf, m = b & 7;
-  if (e == 0xf && m == 7) return std::numeric_limits<float>::quiet_NaN();
-  if (e == 0) return sign * static_cast<float>(m) * 0.001953125f;  // m * 2^-9
-  return sign * bits_to_float(static_cast<uint32_t>(e + 120) << 23 | m << 20);
-}
-
-inline float e5m2_to_float(uint8_t b) { return f16_to_float(static_cast<uint16_t>(b) << 8); }
-
-template <int kDType>
-const float* fp8_table() {
-  static const std::array<float, 256> table = [] {
-    std::array<float, 256> t{};
-    for (int b = 0; b < 256; ++b) {
-      t[b] = kDType == kE4M3 ? e4m3fn_to_float(b) : e5m2_to_float(b);
-    }
-    return t;
-  }();
-  return table.data();
-}
-
-// n page elements -> fp32
-template <int kDType>
-void to_float(const void* src, float* dst, int n) {
-  if constexpr (kDType == kBF16) {
-    const auto* s = static_cast<const uint16_t*>(src);
-    for (int i = 0; i < n; ++i) dst[i] = bf16_to_float(s[i]);
-  } else if constexpr (kDType == kF16) {
-    const auto* s = static_cast<const uint16_t*>(src);
-    for (int i = 0; i < n; ++i) dst[i] = f16_to_float(s[i]);
-  } else {  // FP8 through a table
-    const float* table = fp8_table<kDType>();
-    const auto* s = static_cast<const uint8_t*>(src);
-    for (int i = 0; i < n; ++i) dst[i] = table[s[i]];
-  }
-}
-
-inline int element_size(int dtype) {
-  switch (dtype) {
-    case kF32: return 4;
-    case kBF16: case kF16: return 2;
-    default: return 1;
-  }
-}
-
-// Query rows in, output rows out (fp32 / bf16 / fp16)
-void row_to_float(const void* src, int dtype, float* dst, int n, float mul) {
-  for (int i = 0; i < n; ++i) {
-    float x;
-    if (dtype == kF32) x = static_cast<const float*>(src)[i];
-    else if (dtype == kBF16) x = bf16_to_float(static_cast<const uint16_t*>(src)[i]);
-    else x = f16_to_float(static_cast<const uint16_t*>(src)[i]);
-    dst[i] = x * mul;
-  }
-}
-
-void row_from_float(const float* src, void* dst, int dtype, int n, float mul) {
-  for (int i = 0; i < n; ++i) {
-    const float x = src[i] * mul;
-    if (dtype == kF32) static_cast<float*>(dst)[i] = x;
-    else if (dtype == kBF16) static_cast<uint16_t*>(dst)[i] = float_to_bf16(x);
-    else static_cast<uint16_t*>(dst)[i] = float_to_f16(x);
-  }
-}
-
 // --------------------------------------------------------------------------- the kernel
 
 struct Problem {
@@ -214,7 +97,13 @@ struct Problem {
   const float* v_scale;
   float scale;
   int num_heads, num_kv_heads, group, block_size;
+  int sliding_window;  // 0 = full causal attention
 };
+
+// The first key position a decode query of a seq_len-token sequence sees.
+inline int first_key(const Problem& pb, int seq_len) {
+  return pb.sliding_window > 0 ? std::max(0, seq_len - pb.sliding_window) : 0;
+}
 
 inline int round_up(int x, int m) { return (x + m - 1) / m * m; }
 
@@ -326,7 +215,8 @@ void store_outputs(const Problem& pb, int64_t row, int h0, int h1, int D, const 
   }
 }
 
-// One sequence, KV heads [h0, h1): every page once, front to back.
+// One sequence, KV heads [h0, h1): every page in its window once, front to back (the first one
+// from the window's first key on).
 template <int kDType, int D>
 void attend(const Problem& pb, int seq, int h0, int h1, Workspace& ws) {
   constexpr int64_t kSize = kDType == kF32 ? 4 : kDType == kBF16 || kDType == kF16 ? 2 : 1;
@@ -338,9 +228,11 @@ void attend(const Problem& pb, int seq, int h0, int h1, Workspace& ws) {
   std::fill(ws.l.begin(), ws.l.end(), 0.f);
   const int32_t* table = pb.block_tables + seq * pb.bt_stride;
   const int s_stride = round_up(bs, kLanes);
-  for (int start = 0; start < seq_len; start += bs) {
-    const int n = std::min(bs, seq_len - start);
-    const char* k_page = pb.kv + table[start / bs] * pb.kv_stride_blk * kSize;
+  for (int start = first_key(pb, seq_len), n = 0; start < seq_len; start += n) {
+    const int offset = start % bs;  // 0 except on the window's first page
+    n = std::min(bs - offset, seq_len - start);
+    const char* k_page =
+        pb.kv + (table[start / bs] * pb.kv_stride_blk + offset * pb.kv_stride_tok) * kSize;
     const char* v_page = k_page + pb.kv_stride_kv * kSize;
     int64_t ks, vs;
     const float* k = page_rows<kDType, D>(pb, k_page, n, h0, h1, ws.kbuf.data(), &ks);
@@ -402,7 +294,9 @@ Status decode_sequences(const Problem& pb, int num_seqs, int64_t num_tokens,
     const int seq_len = pb.seq_lens[i];
     if (seq_len < 1 || seq_len > pb.max_blocks * pb.block_size) return kBadSeqLen;
     const int32_t* table = pb.block_tables + i * pb.bt_stride;
-    for (int b = 0; b < (seq_len + pb.block_size - 1) / pb.block_size; ++b) {
+    // only the pages it reads: those before a window may have been freed
+    for (int b = first_key(pb, seq_len) / pb.block_size;
+         b < (seq_len + pb.block_size - 1) / pb.block_size; ++b) {
       if (table[b] < 0 || table[b] >= pb.num_blocks) return kBadBlockId;
     }
     seqs->push_back(i);
@@ -413,7 +307,7 @@ Status decode_sequences(const Problem& pb, int num_seqs, int64_t num_tokens,
 }  // namespace
 
 // Strides are in elements; kv_cache is contiguous; query_start_loc must rise from >= 0 to
-// num_tokens (the query rows). Returns a Status (0 = ok) and, in
+// num_tokens (the query rows); sliding_window <= 0 means none. Returns a Status (0 = ok) and, in
 // *num_chunks, how many sequences have more than one query row (not computed here).
 extern "C" int qserve_paged_attention_decode(
     const void* query, void* out, int q_dtype, int64_t q_stride_t, int64_t q_stride_h,
@@ -421,7 +315,8 @@ extern "C" int qserve_paged_attention_decode(
     int64_t num_blocks, int block_size, int num_kv_heads, int head_dim, int num_heads,
     const int32_t* block_tables, int64_t bt_stride, int64_t max_blocks, const int32_t* seq_lens,
     const int32_t* query_start_loc, int num_seqs, int64_t num_tokens, const float* k_scale,
-    const float* v_scale, float scale, int num_threads, int32_t* num_chunks) {
+    const float* v_scale, float scale, int sliding_window, int num_threads,
+    int32_t* num_chunks) {
   if (q_dtype < kF32 || q_dtype > kF16 || kv_dtype < kF32 || kv_dtype > kE5M2) return kBadDType;
   if (head_dim != 64 && head_dim != 128) return kBadHeadDim;
   const int64_t tok = static_cast<int64_t>(num_kv_heads) * head_dim;
@@ -431,7 +326,7 @@ extern "C" int qserve_paged_attention_decode(
                    num_blocks * block_size * tok, block_size * tok, tok,
                    block_tables, bt_stride, max_blocks, seq_lens, query_start_loc,
                    k_scale, v_scale, scale, num_heads, num_kv_heads, num_heads / num_kv_heads,
-                   block_size};
+                   block_size, std::max(sliding_window, 0)};
   std::vector<int> seqs;
   const Status status = decode_sequences(pb, num_seqs, num_tokens, &seqs, num_chunks);
   if (status != kOk || seqs.empty()) return status;

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from qserve.kernels import ops
-from qserve.kernels.attention_ref import Scale
+from qserve.kernels.attention_ref import Scale, check_window
 
 
 @dataclass
@@ -16,7 +16,8 @@ class AttentionMetadata:
     """The flat varlen batch of one step, shared by every attention layer.
 
     Query token j of sequence i sits at position `seq_lens[i] - query_lens[i] + j` and attends
-    causally to all earlier tokens of its sequence, which live in the pages of its block table.
+    causally to all earlier tokens of its sequence (in a layer with a sliding window W, the last W
+    up to itself), which live in the pages of its block table.
     """
 
     slot_mapping: torch.Tensor  # int64 [num_tokens]: block_id * block_size + offset
@@ -52,9 +53,18 @@ class Attention(nn.Module):
 
     q [num_tokens, num_heads * head_dim], k/v [num_tokens, num_kv_heads * head_dim], RoPE applied.
     `k_scale` / `v_scale` are the FP8 page scales (1.0 unless a checkpoint provides them).
+    `sliding_window` W (Mistral, Gemma 3's local layers): a token at position p attends to
+    positions (p - W, p] only, transformers' sliding-window causal mask; None = all of them.
     """
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        scale: float,
+        sliding_window: int | None = None,
+    ) -> None:
         super().__init__()
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads {num_heads} is not a multiple of {num_kv_heads}")
@@ -62,6 +72,7 @@ class Attention(nn.Module):
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
+        self.sliding_window = check_window(sliding_window)
         self.k_scale: Scale = 1.0
         self.v_scale: Scale = 1.0
 
@@ -88,5 +99,6 @@ class Attention(nn.Module):
             self.scale,
             self.k_scale,
             self.v_scale,
+            sliding_window=self.sliding_window,
         )
         return out.reshape(num_tokens, self.num_heads * self.head_dim)

@@ -110,6 +110,42 @@ def test_paged_attention_split_kv_decode(num_kv_splits, cache_dtype, scales, dev
     torch.testing.assert_close(out.cpu(), ref, rtol=5e-3, atol=5e-3)
 
 
+@pytest.mark.parametrize("window", [1, 9, 40])
+@pytest.mark.parametrize(
+    "batch,heads,kv_heads,cache_dtype,scales",
+    [
+        ("decode", 8, 2, torch.float16, None),
+        ("prompt", 4, 4, torch.bfloat16, None),
+        ("mixed", 6, 2, torch.float16, None),
+        ("mixed", 4, 1, torch.float8_e4m3fn, "head"),
+        ("with_idle", 4, 2, torch.float16, None),
+    ],
+)
+def test_paged_attention_sliding_window(
+    batch, heads, kv_heads, cache_dtype, scales, window, device
+) -> None:
+    """The Triton kernel with a sliding window against the reference with the same window."""
+    seq_lens, query_lens = BATCHES[batch]
+    dtype = torch.bfloat16 if cache_dtype == torch.bfloat16 else torch.float16
+    block_tables, slots, qsl = _batch(seq_lens, query_lens, 16, 24, 6)
+    k_scale, v_scale = _scales(scales, kv_heads)
+    kv_cache = torch.randn(2, 24, 16, kv_heads, 64).to(cache_dtype)
+    k = torch.randn(len(slots), kv_heads, 64, dtype=dtype)
+    reshape_and_cache_ref(k, torch.randn_like(k), kv_cache, slots, k_scale, v_scale)
+    query = torch.randn(int(qsl[-1]), heads, 64, dtype=dtype)
+    args = (query, kv_cache, block_tables, torch.tensor(seq_lens, dtype=torch.int32), qsl)
+    ref = paged_attention_ref(*args, 0.125, k_scale, v_scale, sliding_window=window)
+
+    def dev(t):
+        return t.to(device) if isinstance(t, torch.Tensor) else t
+
+    out = paged_attention(
+        *(dev(t) for t in args), 0.125, dev(k_scale), dev(v_scale), sliding_window=window
+    )
+    tol = 2e-2 if dtype == torch.bfloat16 else 5e-3
+    torch.testing.assert_close(out.cpu().float(), ref.float(), rtol=tol, atol=tol)
+
+
 def test_paged_attention_fp32_exact_semantics(device) -> None:
     """fp32 end to end: the kernel and the reference agree to fp32 round-off."""
     seq_lens, query_lens = [37, 20, 1], [5, 20, 1]

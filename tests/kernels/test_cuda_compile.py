@@ -27,6 +27,8 @@ CORE = {
     "quant_fp8_staticFalse",
     "paged_attention_fp8e4_bf16",
     "paged_attention_fp16_decode",
+    "paged_attention_bf16_prefill_sliding",
+    "paged_attention_fp8e5_fp16_sliding",
     "cache_write_fp8e4",
 }
 
@@ -71,11 +73,13 @@ def _variants() -> list[tuple[str, object, dict[str, str], dict[str, object], di
             const = dict(STATIC=static, QMIN=qmin, QMAX=qmax, ROUND=rnd, BLOCK_K=1024)
             kern = scaled_mm._quant_kernel
             out.append((f"quant_{name}_static{static}", kern, ptrs, const, {}))
-    for name, qd, kv, fp, group, d, bm, split in [
-        ("fp16_decode", "fp16", "fp16", False, 4, 128, 16, True),
-        ("bf16_prefill", "bf16", "bf16", False, 4, 128, 64, False),
-        ("fp8e4_bf16", "bf16", "fp8e4nv", True, 3, 64, 64, False),
-        ("fp8e5_fp16", "fp16", "fp8e5", True, 8, 128, 16, True),
+    for name, qd, kv, fp, group, d, bm, split, sliding in [
+        ("fp16_decode", "fp16", "fp16", False, 4, 128, 16, True, False),
+        ("bf16_prefill", "bf16", "bf16", False, 4, 128, 64, False, False),
+        ("bf16_prefill_sliding", "bf16", "bf16", False, 4, 128, 64, False, True),
+        ("fp8e4_bf16", "bf16", "fp8e4nv", True, 3, 64, 64, False, False),
+        ("fp8e5_fp16", "fp16", "fp8e5", True, 8, 128, 16, True, False),
+        ("fp8e5_fp16_sliding", "fp16", "fp8e5", True, 8, 128, 16, True, True),
     ]:
         ptrs = dict(q_ptr=f"*{qd}", kv_ptr=f"*{kv}", block_tables_ptr="*i32", seq_lens_ptr="*i32")
         ptrs.update(qsl_ptr="*i32", k_scale_ptr="*fp32", v_scale_ptr="*fp32", out_ptr=f"*{qd}")
@@ -83,7 +87,7 @@ def _variants() -> list[tuple[str, object, dict[str, str], dict[str, object], di
         ptrs["scale"] = "fp32"
         gp = 1 << (group - 1).bit_length()
         const = dict(BLOCK_SIZE=16, GROUP=group, GROUP_P=gp, HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=64)
-        const.update(KV_FP8=fp, DOT_F32=False, SPLIT_KV=split)
+        const.update(KV_FP8=fp, DOT_F32=False, SPLIT_KV=split, SLIDING=sliding)
         kern = paged_attention._paged_attention_kernel
         out.append((f"paged_attention_{name}", kern, ptrs, const, dict(num_stages=2)))
     for name, kd, kv, fp, fmax in [

@@ -55,6 +55,19 @@ _LLAMA = ArchSpec(
     ),
 )
 
+# Gemma 3: the MLP's input norm is pre_feedforward_layernorm (post_attention_layernorm acts on
+# the attention output); its norms scale by (1 + w), which fold.norm_offset knows.
+_GEMMA3 = ArchSpec(
+    blocks="model.layers",
+    sequential=_LLAMA.sequential,
+    mappings=(
+        _LLAMA.mappings[0],
+        _LLAMA.mappings[1],
+        ScaleMapping("pre_feedforward_layernorm", ("mlp.gate_proj", "mlp.up_proj")),
+        _LLAMA.mappings[3],
+    ),
+)
+
 # Phi-3: q/k/v and gate/up are one linear each. Scales fold from the norms into them; v -> o and
 # up -> down do not fold (the previous linear's output holds q and k, or gate, too).
 _PHI3 = ArchSpec(
@@ -79,6 +92,7 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     "qwen2": _LLAMA,
     "qwen3": _LLAMA,
     "phi3": _PHI3,
+    "gemma3_text": _GEMMA3,
 }
 
 

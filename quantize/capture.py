@@ -3,7 +3,8 @@ block's linears folded into accumulators (Hessians, absmax, ...) without keeping
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from torch import Tensor, nn
@@ -16,31 +17,60 @@ class StopForward(Exception):
 
 
 def capture_block_inputs(
-    model: nn.Module, block0: nn.Module, input_ids: Tensor
-) -> tuple[list[Tensor], dict[str, Any]]:
-    """Hidden states entering block 0, one [1, T, hidden] per sample, and the block's kwargs
-    (position embeddings, mask), which are the same for every sample of one length."""
+    model: nn.Module, blocks: nn.ModuleList, input_ids: Tensor
+) -> tuple[list[Tensor], list[dict[str, Any]]]:
+    """Hidden states entering block 0, one [1, T, hidden] per sample, and each block's kwargs
+    (position embeddings, mask: the same for every sample of one length, but they differ
+    between layer kinds, e.g. Gemma 3's local and global layers).
+
+    Each block's forward is swapped for one that records its call and returns its input, so a
+    pass costs the embeddings only, and blocks still on the meta device are never touched."""
     X: list[Tensor] = []
-    kwargs: dict[str, Any] = {}
+    kwargs: list[dict[str, Any]] = [{} for _ in blocks]
 
-    def pre_hook(module: nn.Module, args: tuple[Any, ...], kw: dict[str, Any]) -> None:
-        X.append((args[0] if args else kw["hidden_states"]).detach())
-        kwargs.update({k: v for k, v in kw.items() if k != "hidden_states"})
-        raise StopForward
+    def recorder(b: int) -> Callable[..., Tensor]:
+        def forward(*args: Any, **kw: Any) -> Tensor:
+            hidden = args[0] if args else kw["hidden_states"]
+            if b == 0:
+                X.append(hidden.detach())
+            kwargs[b] = {k: v for k, v in kw.items() if k != "hidden_states"}
+            if b == len(blocks) - 1:
+                raise StopForward
+            return hidden
 
-    handle = block0.register_forward_pre_hook(pre_hook, with_kwargs=True)
-    try:
+        return forward
+
+    with _forwards_replaced(blocks, recorder):
         for ids in input_ids:
             try:
                 model(input_ids=ids[None], use_cache=False)
             except StopForward:
                 pass
+    return X, [_without_cache(kw) for kw in kwargs]
+
+
+@contextlib.contextmanager
+def _forwards_replaced(
+    blocks: nn.ModuleList, make: Callable[[int], Callable[..., Any]]
+) -> Iterator[None]:
+    """Inside, block b's forward is make(b) (an instance attribute, shadowing the class's)."""
+    if any("forward" in vars(block) for block in blocks):
+        raise RuntimeError("a decoder block already has its own forward")
+    for b, block in enumerate(blocks):
+        block.forward = make(b)
+    try:
+        yield
     finally:
-        handle.remove()
-    for k in ("cache", "past_key_values", "past_key_value"):
-        kwargs.pop(k, None)
+        for block in blocks:
+            del block.forward
+
+
+def _without_cache(kwargs: dict[str, Any]) -> dict[str, Any]:
+    kwargs = {
+        k: v for k, v in kwargs.items() if k not in ("cache", "past_key_values", "past_key_value")
+    }
     kwargs["use_cache"] = False
-    return X, kwargs
+    return kwargs
 
 
 # ------------------------------------------------------------------------------------- export

@@ -217,8 +217,10 @@ def quantize_blocks(
     """
     device = torch.device(device)
     blocks: nn.ModuleList = model.get_submodule(spec.blocks)
-    X, kwargs = (
-        capture_block_inputs(model, blocks[0], input_ids) if input_ids is not None else ([], {})
+    X, block_kwargs = (
+        capture_block_inputs(model, blocks, input_ids)
+        if input_ids is not None
+        else ([], [{} for _ in blocks])
     )
     X_fp = list(X) if settings.gptaq else None  # GPTAQ: the full-precision model's stream
     results = BlockResults()
@@ -228,7 +230,7 @@ def quantize_blocks(
         if offloaded is not None:
             offloaded.load(block, prefix)
         with _working_device(block, device):
-            X, kwargs = to_device(X, device), to_device(kwargs, device)
+            X, kwargs = to_device(X, device), to_device(block_kwargs[b], device)
             reference = None
             if X_fp is not None:
                 reference = Reference.run(block, spec, to_device(X_fp, device), kwargs)

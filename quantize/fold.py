@@ -35,9 +35,20 @@ def scale_columns(W: Tensor, s: Tensor) -> Tensor:
     return W * s[None, :].to(W.dtype)
 
 
-def fold_into_norm(weight: Tensor, s: Tensor) -> Tensor:
-    """RMSNorm weight [K] / s."""
-    return weight / s.to(weight.dtype)
+# Norms that scale by (1 + weight) (Gemma's): folding keeps 1 + weight' = (1 + weight) / s.
+UNIT_OFFSET_NORMS = ("GemmaRMSNorm", "Gemma2RMSNorm", "Gemma3RMSNorm")
+
+
+def fold_into_norm(weight: Tensor, s: Tensor, offset: float = 0.0) -> Tensor:
+    """RMSNorm weight [K] / s; a norm scaling by (offset + w) gets (offset + w) / s - offset."""
+    if not offset:
+        return weight / s.to(weight.dtype)
+    return (weight + offset) / s.to(weight.dtype) - offset
+
+
+def norm_offset(norm: nn.Module) -> float:
+    """1.0 for the norms that scale by (1 + weight), else 0.0."""
+    return 1.0 if type(norm).__name__ in UNIT_OFFSET_NORMS else 0.0
 
 
 def fold_into_rows(W: Tensor, b: Tensor | None, s: Tensor) -> tuple[Tensor, Tensor | None]:
@@ -55,7 +66,7 @@ def apply_scales(prev: nn.Module, linears: list[nn.Linear], s: Tensor) -> None:
         if b is not None:
             prev.bias.data.copy_(b)
     else:
-        prev.weight.data.copy_(fold_into_norm(prev.weight.data, s))
+        prev.weight.data.copy_(fold_into_norm(prev.weight.data, s, norm_offset(prev)))
     for lin in linears:
         lin.weight.data.copy_(scale_columns(lin.weight.data, s))
 

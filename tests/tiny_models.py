@@ -8,16 +8,22 @@ from typing import Any
 
 import torch
 from transformers import (
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
     Phi3Config,
     Phi3ForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
 )
 
 _COMMON = dict(
@@ -59,6 +65,22 @@ TINY_MODELS = {
         MistralForCausalLM,
         MistralConfig(vocab_size=1000, head_dim=32, sliding_window=None, **_COMMON),
     ),
+    "gemma3": (  # local and global layers (window 8, own RoPE bases; linear scaling on global)
+        Gemma3ForCausalLM,
+        Gemma3TextConfig(
+            vocab_size=300,
+            head_dim=32,
+            query_pre_attn_scalar=24,
+            sliding_window=8,
+            final_logit_softcapping=30.0,
+            layer_types=["sliding_attention", "full_attention"],
+            rope_parameters={
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6},
+            },
+            **_COMMON,
+        ),
+    ),
     "phi3": (  # fused qkv_proj / gate_up_proj; its pad id must lie inside the tiny vocab
         Phi3ForCausalLM,
         Phi3Config(vocab_size=350, pad_token_id=0, bos_token_id=1, eos_token_id=2, **_COMMON),
@@ -87,7 +109,29 @@ TINY_MODELS = {
             vocab_size=400, head_dim=32, attention_bias=True, tie_word_embeddings=True, **_COMMON
         ),
     ),
+    # Mixture of experts: 4 experts, top-2. Mixtral: every layer sparse, always renormalized;
+    # Qwen3-MoE: layer 1 a dense MLP (mlp_only_layers), experts of moe_intermediate_size, no
+    # renormalization, q/k norms per head.
+    "mixtral": (
+        MixtralForCausalLM,
+        MixtralConfig(vocab_size=450, num_local_experts=4, num_experts_per_tok=2, **_COMMON),
+    ),
+    "qwen3-moe": (
+        Qwen3MoeForCausalLM,
+        Qwen3MoeConfig(
+            vocab_size=500,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=96,
+            mlp_only_layers=[1],
+            norm_topk_prob=False,
+            **_COMMON,
+        ),
+    ),
 }
+# Quantizing mixture-of-experts models is the next step: until then quantize refuses them and
+# the per-method quantization tests leave them out.
+MOE_MODELS = {"mixtral", "qwen3-moe"}
 
 
 def build_tiny_model(name: str, seed: int = 0, **overrides: Any) -> torch.nn.Module:

@@ -11,6 +11,8 @@ from typing import Any
 import torch
 
 from qserve.errors import QServeError
+from qserve.model.layer_types import gemma3_fields, global_rope_parameters, layer_types
+from qserve.model.moe_config import moe_fields
 from qserve.model.quant_config import QuantScheme, parse_quant_scheme
 
 
@@ -23,6 +25,8 @@ class ArchitectureSpec:
     o_proj_bias_follows_qkv: bool  # Llama puts attention_bias on o_proj too; Qwen2 does not
     qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k, before RoPE
     fused_projections: bool = False  # Phi-3: one qkv_proj, one gate_up_proj in the checkpoint
+    family: str = "llama"  # the model class: llama (LlamaForCausalLM) | gemma3
+    activation: str = "silu"  # the MLP's, as config.json names it
 
 
 ARCHITECTURES: dict[str, ArchitectureSpec] = {
@@ -35,8 +39,23 @@ ARCHITECTURES: dict[str, ArchitectureSpec] = {
     "Phi3ForCausalLM": ArchitectureSpec(
         "phi3", qkv_bias=False, o_proj_bias_follows_qkv=False, fused_projections=True
     ),
+    "Gemma3ForCausalLM": ArchitectureSpec(
+        "gemma3",
+        qkv_bias=None,
+        o_proj_bias_follows_qkv=True,
+        qk_norm=True,
+        family="gemma3",
+        activation="gelu_pytorch_tanh",
+    ),  # fmt: skip
+    # Mixture of experts (qserve.model.moe_config): sparse MoE blocks instead of MLPs
+    "MixtralForCausalLM": ArchitectureSpec(
+        "mixtral", qkv_bias=False, o_proj_bias_follows_qkv=False
+    ),
+    "Qwen3MoeForCausalLM": ArchitectureSpec(
+        "qwen3_moe", qkv_bias=None, o_proj_bias_follows_qkv=True, qk_norm=True
+    ),
 }
-SUPPORTED_ROPE_TYPES = ("default", "llama3", "longrope")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -78,6 +97,21 @@ class ModelConfig:
     sliding_window: int | None = None  # None when absent or no shorter than the context
     qk_norm: bool = False  # per-head RMSNorm of q and k before RoPE (q_norm / k_norm)
     fused_projections: bool = False  # qkv_proj / gate_up_proj modules instead of q/k/v, gate/up
+    family: str = "llama"  # which model class runs it (ArchitectureSpec.family)
+    hidden_act: str = "silu"  # silu | gelu_pytorch_tanh (Gemma 3)
+    layer_types: tuple[str, ...] = ()  # full_attention | sliding_attention, per layer
+    # Gemma 3: local layers' RoPE base, q.k scale, final logit soft-cap, sqrt(hidden) on embeddings
+    local_rope_theta: float | None = None
+    attention_scale: float | None = None  # None: head_dim ** -0.5
+    final_logit_softcapping: float | None = None
+    embed_scale: float | None = None
+    # Mixture of experts (qserve.model.moe_config): 0 experts is a dense model
+    num_experts: int = 0
+    num_experts_per_tok: int = 0  # top-k experts per token
+    moe_intermediate_size: int = 0  # each expert's; dense layers keep intermediate_size
+    norm_topk_prob: bool = False  # renormalize the top-k router probabilities to sum to 1
+    moe_layers: tuple[int, ...] = ()  # the layers with a sparse MoE block instead of an MLP
+    expert_names: tuple[str, ...] = ()  # each expert's gate, up, down linears (checkpoint's)
     quantization: QuantScheme | None = None  # None: a dense checkpoint
 
     @property
@@ -88,13 +122,15 @@ class ModelConfig:
     def kv_size(self) -> int:
         return self.num_key_value_heads * self.head_dim
 
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window of layer `layer`'s attention; None: full attention."""
+        sliding = self.layer_types and self.layer_types[layer] == "sliding_attention"
+        return self.sliding_window if sliding else None
+
     @property
     def max_context_len(self) -> int:
-        """Longest sequence we compute exactly: sliding-window attention is not implemented, so
-        full attention equals it only up to the window."""
-        return min(
-            self.max_position_embeddings, self.sliding_window or self.max_position_embeddings
-        )
+        """Longest sequence the model runs (sliding windows are honoured per layer)."""
+        return self.max_position_embeddings
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> ModelConfig:
@@ -113,7 +149,7 @@ class ModelConfig:
         spec = ARCHITECTURES[arch]
         hidden = _int(raw, "hidden_size", source)
         heads = _int(raw, "num_attention_heads", source)
-        _check_activation(raw, source)
+        activation = _activation(raw, spec, source)
         theta, scaling = _rope(raw, source)
         qkv_bias = (
             bool(raw.get("attention_bias", False)) if spec.qkv_bias is None else spec.qkv_bias
@@ -141,6 +177,17 @@ class ModelConfig:
             sliding_window=_sliding_window(raw, max_pos),
             qk_norm=spec.qk_norm,
             fused_projections=spec.fused_projections,
+            family=spec.family,
+            hidden_act=activation,
+            layer_types=layer_types(
+                raw,
+                spec.model_type,
+                _int(raw, "num_hidden_layers", source),
+                _sliding_window(raw, max_pos),
+                source,
+            ),  # fmt: skip
+            **(gemma3_fields(raw, source) if spec.family == "gemma3" else {}),
+            **moe_fields(raw, spec.model_type, source),
             quantization=parse_quant_scheme(raw.get("quantization_config"), source),
         )
 
@@ -177,16 +224,18 @@ def _int(raw: dict[str, Any], key: str, source: str) -> int:
     return value
 
 
-def _check_activation(raw: dict[str, Any], source: str) -> None:
-    act = raw.get("hidden_act", "silu")
-    if act != "silu":
-        raise QServeError(f"{source}: hidden_act {act!r} is not supported; expected 'silu'")
+def _activation(raw: dict[str, Any], spec: ArchitectureSpec, source: str) -> str:
+    act = raw.get("hidden_activation") or raw.get("hidden_act") or spec.activation
+    if act != spec.activation:
+        raise QServeError(
+            f"{source}: hidden_act {act!r} is not supported; expected {spec.activation!r}"
+        )
+    return act
 
 
 def _rope(raw: dict[str, Any], source: str) -> tuple[float, RopeScaling | None]:
     """RoPE settings from transformers 5 `rope_parameters` or 4.x `rope_theta`/`rope_scaling`."""
-    params = dict(raw.get("rope_scaling") or {})
-    params.update(raw.get("rope_parameters") or {})
+    params = global_rope_parameters(raw)
     theta = float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in SUPPORTED_ROPE_TYPES:
@@ -200,6 +249,8 @@ def _rope(raw: dict[str, Any], source: str) -> tuple[float, RopeScaling | None]:
         return theta, None
     if rope_type == "longrope":
         return theta, _longrope(raw, params, source)
+    if rope_type == "linear":
+        return theta, RopeScaling("linear", float(params["factor"]))
     try:
         return theta, RopeScaling(
             rope_type=rope_type,

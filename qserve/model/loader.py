@@ -21,7 +21,9 @@ from qserve.errors import QServeError
 from qserve.model.config import ModelConfig
 from qserve.model.kv_scales import apply_kv_scales, pop_kv_scales
 from qserve.model.llama import LlamaForCausalLM
+from qserve.model.moe import moe_checkpoint_tensors
 from qserve.model.quant import keeps_stored_dtype, prepare_quant_linears, swap_quant_linears
+from qserve.model.rotary import RotaryEmbedding
 from qserve.quantize.export import PROVENANCE_FILE
 
 logger = logging.getLogger("qserve")
@@ -61,15 +63,16 @@ def load_model(
     `model.load_report` (a LoadReport)."""
     path = Path(path)
     config = ModelConfig.from_pretrained(path)
-    _warn_sliding_window(config, path)
     with torch.device("meta"):
-        model = LlamaForCausalLM(config)
-    state = read_state_dict(path, dtype, device)
+        model = model_class(config)(config)
+    state = moe_checkpoint_tensors(read_state_dict(path, dtype, device), config)
     kv_scales = pop_kv_scales(state)
     if config.quantization is not None:
         swap_quant_linears(model, config.quantization, state)
     _assign_weights(model, state, source=str(path))
-    model.model.rotary_emb.init_cache(device)
+    for module in model.modules():
+        if isinstance(module, RotaryEmbedding):
+            module.init_cache(device)
     _check_materialized(model)
     linear_paths = prepare_quant_linears(model, dtype)
     model.load_report = LoadReport(
@@ -83,6 +86,15 @@ def load_model(
     return model.eval().requires_grad_(False), config
 
 
+def model_class(config: ModelConfig) -> type[LlamaForCausalLM]:
+    """The model class of the config's architecture family."""
+    if config.family == "gemma3":
+        from qserve.model.gemma3 import Gemma3ForCausalLM
+
+        return Gemma3ForCausalLM
+    return LlamaForCausalLM
+
+
 def read_provenance(folder: Path) -> dict[str, Any] | None:
     """What made the checkpoint in `folder` (qserve quantize's PROVENANCE_FILE), or None."""
     path = folder / PROVENANCE_FILE
@@ -93,16 +105,6 @@ def read_provenance(folder: Path) -> dict[str, Any] | None:
     except (OSError, UnicodeDecodeError, json.JSONDecodeError):
         raise QServeError(f"{path} is not readable JSON", param="model") from None
     return made_by if isinstance(made_by, dict) else None
-
-
-def _warn_sliding_window(config: ModelConfig, path: Path) -> None:
-    if config.sliding_window is not None:
-        logger.warning(
-            "%s: sliding_window %d is not implemented; outputs are exact up to %d tokens",
-            path,
-            config.sliding_window,
-            config.max_context_len,
-        )
 
 
 def load_tokenizer(path: Path) -> Any:

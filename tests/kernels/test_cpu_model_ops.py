@@ -68,7 +68,7 @@ def test_rms_norm_strided_rows():
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_rope_matches_reference_bit_for_bit(dtype, head_dim):
-    from qserve.model.llama import rope_inv_freq
+    from qserve.model.rotary import rope_inv_freq
 
     gen = torch.Generator().manual_seed(head_dim)
     inv_freq = rope_inv_freq(head_dim, 10000.0, None)

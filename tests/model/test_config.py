@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from qserve.errors import QServeError
-from qserve.model.config import ModelConfig, RopeScaling
+from qserve.model.config import ARCHITECTURES, ModelConfig, RopeScaling
 
 # The config.json of the converted SmolLM2-135M-Instruct, trimmed.
 SMOLLM2 = {
@@ -101,18 +101,21 @@ def test_mistral_sliding_window_kept_only_when_shorter_than_context(window, expe
     raw = {**SMOLLM2, "architectures": ["MistralForCausalLM"], "sliding_window": window}
     config = ModelConfig.from_dict(raw)
     assert config.sliding_window == expected
-    assert config.max_context_len == (expected or 8192)
+    assert config.max_context_len == 8192  # the window is honoured, not a context limit
+    sliding = ("sliding_attention",) * config.num_hidden_layers
+    assert config.layer_types == (sliding if expected else ())
 
 
 def test_unsupported_architecture_names_it_and_the_supported_list(tmp_path):
     folder = write_folder(tmp_path, {**SMOLLM2, "architectures": ["GPT2LMHeadModel"]})
     with pytest.raises(QServeError) as err:
         ModelConfig.from_pretrained(folder)
+    supported = ", ".join(ARCHITECTURES)  # every architecture qserve runs, in table order
     assert str(err.value) == (
         f"{folder}/config.json: architecture GPT2LMHeadModel is not supported; expected one of: "
-        "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, "
-        "Phi3ForCausalLM"
+        + supported
     )
+    assert supported.startswith("LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM")
 
 
 def test_unsupported_rope_type():

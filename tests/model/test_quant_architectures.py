@@ -14,7 +14,7 @@ from qserve.quantize.driver import quantize_model
 from qserve.quantize.settings import QuantizeSettings
 from tests.model.test_quant import fake_quant_inputs, prefill_logits, reference
 from tests.tiny import byte_bpe_tokenizer
-from tests.tiny_models import TINY_MODELS, build_tiny_model
+from tests.tiny_models import MOE_MODELS, TINY_MODELS, build_tiny_model
 
 CALIB = {"num_samples": 4, "seq_len": 64}
 METHODS = {
@@ -43,7 +43,7 @@ def base_model(root: Path, arch: str) -> Path:
 
 
 @pytest.mark.parametrize("method", sorted(METHODS))
-@pytest.mark.parametrize("arch", sorted(TINY_MODELS))
+@pytest.mark.parametrize("arch", sorted(set(TINY_MODELS) - MOE_MODELS))  # MoE: not yet
 def test_quantized_logits_match_the_dequantized_reference(arch, method, tmp_path_factory):
     root = tmp_path_factory.getbasetemp() / "quant-archs"
     settings = QuantizeSettings(**METHODS[method])

@@ -94,6 +94,19 @@ def test_fold_into_norm_keeps_the_function() -> None:
     torch.testing.assert_close(torch.cat([a(norm(x)), b(norm(x))], 1), ref)
 
 
+def test_fold_into_a_gemma_norm_keeps_the_function() -> None:
+    """Gemma's norms scale by (1 + w): the fold keeps 1 + w' = (1 + w) / s."""
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+
+    torch.manual_seed(0)
+    norm, a = Gemma3RMSNorm(16), nn.Linear(16, 8)
+    nn.init.uniform_(norm.weight, -0.5, 0.5)
+    x = torch.randn(5, 16)
+    ref = a(norm(x))
+    apply_scales(norm, [a], torch.rand(16) + 0.5)
+    torch.testing.assert_close(a(norm(x)), ref)
+
+
 def test_fold_into_previous_linear_rows_keeps_the_function() -> None:
     torch.manual_seed(0)
     v, o = nn.Linear(16, 12), nn.Linear(12, 16)  # v_proj -> o_proj (attention is linear in v)

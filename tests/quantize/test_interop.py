@@ -367,3 +367,45 @@ def test_third_party_configs_parse_or_fail_in_one_line(raw, expected):
     with pytest.raises(QServeError, match=expected) as info:
         parse_quant_scheme(raw)
     assert "\n" not in str(info.value)
+
+
+# --------------------------------------------- a, b for the other architectures: Gemma 3, ...
+
+OTHER_ARCHS = ("gemma3", "qwen3", "phi3")
+
+
+@functools.cache
+def other_checkpoint(root: Path, arch: str, method: str) -> Path:
+    """Our `method` export of the tiny `arch` model (with the 1000-token tokenizer)."""
+    from qserve.quantize.driver import quantize_model
+    from qserve.quantize.settings import QuantizeSettings
+    from tests.tiny import byte_bpe_tokenizer
+    from tests.tiny_models import build_tiny_model
+
+    base = root / f"{arch}-base"
+    if not base.exists():
+        tokenizer = byte_bpe_tokenizer()
+        build_tiny_model(arch, vocab_size=len(tokenizer)).save_pretrained(base)
+        tokenizer.save_pretrained(base)
+    settings = QuantizeSettings(method=method, group_size=GROUP_SIZE, **CALIB)
+    return quantize_model(base, root / f"{arch}-{method}", settings)
+
+
+@pytest.mark.parametrize("method", ["gptq", "awq"])
+@pytest.mark.parametrize("arch", OTHER_ARCHS)
+def test_our_exports_of_other_architectures_load_in_transformers(gptqmodel, work, arch, method):
+    from transformers import AutoModelForCausalLM, AwqConfig, GPTQConfig
+
+    folder = other_checkpoint(work, arch, method)
+    config = (GPTQConfig if method == "gptq" else AwqConfig)(
+        bits=4, backend="torch" if method == "gptq" else "torch_awq"
+    )
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32,
+                                                 quantization_config=config).eval()  # fmt: skip
+    packed = [n for n, m in model.named_modules() if isinstance(getattr(m, "qweight", None),
+                                                                torch.Tensor)]  # fmt: skip
+    per_layer = 4 if arch == "phi3" else 7  # Phi-3: qkv, o, gate_up, down
+    assert len(packed) == 2 * per_layer  # every decoder linear of both layers
+    prompt = torch.randint(0, 1000, (PROMPT_LEN,), generator=torch.Generator().manual_seed(1))
+    err = rel_err(ours(folder, prompt.tolist())[0], forward(model, prompt.tolist()))
+    assert err <= SAME_FP32, f"{arch} {method}: relative logits error {err:.2e}"

@@ -65,6 +65,10 @@ TINY_MODELS = {
         MistralForCausalLM,
         MistralConfig(vocab_size=1000, head_dim=32, sliding_window=None, **_COMMON),
     ),
+    "mistral-window": (  # every layer slides over the last 8 tokens
+        MistralForCausalLM,
+        MistralConfig(vocab_size=1000, head_dim=32, sliding_window=8, **_COMMON),
+    ),
     "gemma3": (  # local and global layers (window 8, own RoPE bases; linear scaling on global)
         Gemma3ForCausalLM,
         Gemma3TextConfig(

@@ -15,7 +15,7 @@ from qserve.model.llama import LlamaForCausalLM
 from qserve.model.loader import load_model
 
 ATOL = 1e-4
-ARCHS = ["llama", "qwen2", "mistral", "qwen3", "phi3", "phi3-longrope", "gemma3"]
+ARCHS = ["llama", "qwen2", "mistral", "qwen3", "phi3", "phi3-longrope", "gemma3", "mistral-window"]
 ARCHS += ["mixtral", "qwen3-moe"]  # mixture of experts (qserve.model.moe)
 
 

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from qserve.kernels import cpu_build, cpu_dense, cpu_model_ops, cpu_paged_attention
 from qserve.kernels.attention_ref import Scale, paged_attention_ref, reshape_and_cache_ref
 from qserve.kernels.fp8_ref import fp8_scaled_mm_ref, scaled_fp8_quant_ref, w8a8_fp8_linear_ref
+from qserve.kernels.fused_moe_ref import MoEWeight, fused_experts_ref
 from qserve.kernels.int8_ref import (
     int8_scaled_mm_ref,
     scaled_int8_quant_ref,
@@ -278,3 +279,21 @@ def w8a8_fp8_linear(
 ) -> torch.Tensor:
     """Quantize x to FP8 (dynamic per token or static), then fp8_scaled_mm."""
     return _pick(x, w8a8_fp8_linear_ref, "fp8.w8a8_fp8_linear")(x, w_q, w_scale, input_scale, bias)
+
+
+# ------------------------------------------------------------------------ mixture of experts
+
+
+def fused_experts(
+    x: torch.Tensor,
+    w13: MoEWeight,
+    w2: MoEWeight,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+) -> torch.Tensor:
+    """SwiGLU experts over stacked (dense, GPTQ or W8) weights: x [T, H] -> sum_k topk_weights
+    * down[e](silu(gate[e](x)) * up[e](x)) (see fused_moe_ref). The Triton grouped GEMM on CUDA
+    (not yet run on a GPU), the torch reference elsewhere."""
+    return _pick(x, fused_experts_ref, "fused_moe.fused_experts")(
+        x, w13, w2, topk_weights, topk_ids
+    )

@@ -30,6 +30,9 @@ CORE = {
     "paged_attention_bf16_prefill_sliding",
     "paged_attention_fp8e5_fp16_sliding",
     "cache_write_fp8e4",
+    "fused_moe_dense_bf16",
+    "fused_moe_gptq4_bf16_actorder",
+    "fused_moe_w8_fp8_fp16",
 }
 
 
@@ -100,6 +103,40 @@ def _variants() -> list[tuple[str, object, dict[str, str], dict[str, object], di
         const = dict(BLOCK_SIZE=16, HEAD_DIM=128, BLOCK_H=8, KV_FP8=fp, FMAX=fmax)
         out.append((f"cache_write_{name}", cache_write._cache_write_kernel, ptrs, const, {}))
     out += _autotune_variants(w4a16, scaled_mm)
+    return out + _fused_moe_variants()
+
+
+def _fused_moe_variants() -> list:
+    """The MoE grouped GEMM: each weight kind, then every autotune config (dense bf16, the
+    largest tiles in shared memory) at decode and prefill BLOCK_M."""
+    from qserve.kernels import fused_moe
+
+    out = []
+    idx = dict(sorted_ids_ptr="*i32", expert_ids_ptr="*i32", num_post_pad_ptr="*i32")
+    for name, act, w, s, kind, bits, gs, float_w, bm in [
+        ("dense_bf16", "bf16", "bf16", "bf16", 0, 8, 0, True, 64),
+        ("dense_fp16", "fp16", "fp16", "fp16", 0, 8, 0, True, 16),
+        ("gptq4_fp16_g128", "fp16", "i32", "fp16", 1, 4, 128, False, 16),
+        ("gptq4_bf16_actorder", "bf16", "i32", "fp16", 1, 4, 0, False, 64),
+        ("gptq8_bf16_g32", "bf16", "i32", "bf16", 1, 8, 32, False, 16),
+        ("w8_int8_bf16", "bf16", "i8", "fp32", 2, 8, 0, False, 64),
+        ("w8_fp8_fp16", "fp16", "fp8e4nv", "fp32", 2, 8, 0, True, 16),
+    ]:
+        ptrs = dict(idx, x_ptr=f"*{act}", w_ptr=f"*{w}", s_ptr=f"*{s}", qz_ptr="*i32")
+        ptrs.update(g_ptr="*i32", topk_w_ptr="*fp32", out_ptr=f"*{act}")
+        const = dict(TOP_K=2, MUL_ROUTED=True, W_KIND=kind, BITS=bits, GROUP_SIZE=gs)
+        const.update(FLOAT_W=float_w, DOT_F32=False, BLOCK_M=bm, BLOCK_N=128, BLOCK_K=128)
+        kern = fused_moe._fused_moe_kernel
+        out.append((f"fused_moe_{name}", kern, ptrs, const, dict(num_stages=3)))
+    ptrs = dict(idx, x_ptr="*bf16", w_ptr="*bf16", s_ptr="*bf16", qz_ptr="*i32", g_ptr="*i32")
+    ptrs.update(topk_w_ptr="*fp32", out_ptr="*bf16")
+    for i, cfg in enumerate(fused_moe.CUDA_CONFIGS):
+        for bm in (16, 64):
+            const = dict(TOP_K=1, MUL_ROUTED=False, W_KIND=0, BITS=8, GROUP_SIZE=0)
+            const.update(FLOAT_W=True, DOT_F32=False, BLOCK_M=bm, **cfg.kwargs)
+            opts = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+            kern = fused_moe._fused_moe_kernel
+            out.append((f"tune_fused_moe_{i}_m{bm}", kern, ptrs, const, opts))
     return out
 
 

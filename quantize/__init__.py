@@ -6,7 +6,8 @@
     smoothquant.py  smooth_scales, quantize_int8 (W8A8)
     fp8.py          quantize_fp8, fp8_input_scale (E4M3)
     fold.py         folding scales into norms / previous linears; ScaleResult (save, replay)
-    arch.py         per-architecture tables: sequential groups and scale mappings
+    arch.py         per-architecture tables: sequential groups and scale mappings (MoE: per expert)
+    moe.py          mixture-of-experts blocks for calibration: per-expert linears, routed tokens
     kv_scales.py    FP8 KV cache k_scale / v_scale from calibration (KVObserver)
     calibration.py  calibration text (.txt, .jsonl, bundled Moby-Dick) and token windows
 

@@ -10,7 +10,9 @@ RTN asymmetric pseudo-quantization. Then a clip search per group: the max |w| of
 shrunk by 1/20 steps down to `max_shrink` while the group's output error drops.
 
 The output error is a quadratic form in dW: the inputs enter through H = 2/n sum x x^T (the
-GPTQ Hessian), accumulated over all calibration tokens, as in `output_error`.
+GPTQ Hessian), accumulated over all calibration tokens, as in `output_error`. Experts of a
+mixture-of-experts block share a scale (it folds into the norm before the block) but each reads
+only its routed tokens: each expert's error goes through its own H.
 
 Apply: fold 1/s into the previous op and s into the linears, clamp weights to the clip values.
 The result (`qserve.quantize.fold.ScaleResult`: scales per mapping, clip per linear) saves to
@@ -62,7 +64,7 @@ def _weight_mean(W: Tensor, group_size: int) -> Tensor:
 
 def search_scale(
     x_mean: Tensor,
-    H: Tensor,
+    H: Tensor | list[Tensor],
     Ws: list[Tensor],
     bits: int = 4,
     group_size: int = 128,
@@ -70,12 +72,14 @@ def search_scale(
     duo_scaling: bool = False,
 ) -> tuple[Tensor, float, list[float]]:
     """Best per-input-channel scale s [K] for the linears Ws ([N_i, K] each) that read inputs
-    with mean |x| = x_mean [K] and H = 2/n sum x x^T [K, K].
+    with mean |x| = x_mean [K] and H = 2/n sum x x^T [K, K]; or, for linears that read
+    different tokens of that input (experts), one H per linear of Ws.
 
     Returns (s, alpha, the mean squared output error at each alpha of the grid).
     """
     W = torch.cat([w.float() for w in Ws], dim=0)
-    H = H.float()
+    Hs = [H.float()] if isinstance(H, Tensor) else [h.float() for h in H]
+    sizes = [w.shape[0] for w in Ws]
     w_mean = _weight_mean(W, group_size)
     errors: list[float] = []
     best_s, best_alpha, best_err = torch.ones_like(x_mean), 0.0, float("inf")
@@ -86,11 +90,20 @@ def search_scale(
             s = (s / w_mean.pow(1 - alpha).clamp(min=1e-4)).clamp(min=1e-4)
         s = s / (s.max() * s.min()).sqrt()
         Wq = fake_quantize(W * s, bits, group_size, sym=False) / s
-        err = float(output_error(W - Wq, H).mean())
+        err = _mean_error(W - Wq, Hs, sizes)
         errors.append(err)
         if err < best_err:
             best_s, best_alpha, best_err = s, alpha, err
     return best_s, best_alpha, errors
+
+
+def _mean_error(dW: Tensor, Hs: list[Tensor], sizes: list[int]) -> float:
+    """Mean squared output error over every output channel of the stacked linears: one H for
+    all, or one per linear (of `sizes` output channels each)."""
+    if len(Hs) == 1:
+        return float(output_error(dW, Hs[0]).mean())
+    parts = dW.split(sizes)
+    return float(sum(output_error(d, h).sum() for d, h in zip(parts, Hs, strict=True))) / len(dW)
 
 
 def search_clip(

@@ -5,6 +5,13 @@ full-precision side of it (`Reference`).
 linears into accumulators; linears of one sequential group share an input, which is collected
 once. Once every attention linear is quantized, later passes replay the attention's outputs
 instead of recomputing them (`attention_replay`).
+
+Experts of a mixture-of-experts block see only the tokens routed to them (`qserve.quantize.moe`):
+their accumulators stay None when no token reaches them, and `min_tokens` is the count below
+which a linear's inputs are too few to calibrate on (`FEW_TOKENS_FRACTION` of the calibration
+tokens; the methods then round it to nearest and record it in `fallbacks`). GPTAQ pairs an
+expert's inputs with the float model's inputs at the same tokens: the float MoE block's input
+rows of the tokens the quantized block routed to the expert, through the float expert.
 """
 
 from __future__ import annotations
@@ -12,6 +19,8 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import functools
+import math
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -19,11 +28,21 @@ from torch import Tensor, nn
 
 from qserve.quantize.arch import ArchSpec
 from qserve.quantize.capture import collect_inputs
-from qserve.quantize.settings import QuantizeSettings, is_ignored
+from qserve.quantize.moe import float_expert_input
+from qserve.quantize.settings import QuantizeSettings, is_ignored_in
 
-__all__ = ["BlockContext", "Reference", "REPLAY_CACHE_BYTES", "REFERENCE_CACHE_BYTES"]
+__all__ = [
+    "BlockContext",
+    "Reference",
+    "FEW_TOKENS_FRACTION",
+    "REPLAY_CACHE_BYTES",
+    "REFERENCE_CACHE_BYTES",
+]
 
 REPLAY_CACHE_BYTES = 1 << 30  # a block keeps its attention's final outputs up to this
+# A linear whose calibration inputs are fewer than this fraction of the calibration tokens (at
+# least one token) is rounded to nearest: GPTQModel's FailSafe default (RTN below 0.5%).
+FEW_TOKENS_FRACTION = 0.005
 
 
 @dataclasses.dataclass
@@ -39,11 +58,30 @@ class BlockContext:
     reference: Reference | None = None  # GPTAQ: the full-precision model's side
     finished: set[str] = dataclasses.field(default_factory=set)  # linears quantized so far
     attention_outputs: list[Any] | None = None  # per sample, once every attention linear is
+    fallbacks: dict[str, int] = dataclasses.field(default_factory=dict)  # name -> its tokens
 
-    @property
+    @functools.cached_property
     def names(self) -> list[str]:
-        """The block's linears to quantize (not ignored)."""
-        return [n for n in self.spec.linears if not is_ignored(self.prefix + n, self.s.ignore)]
+        """The block's linears to quantize (not ignored, by their name or the checkpoint's)."""
+        return [n for n in self.spec.linears if not self._ignored(self.prefix + n)]
+
+    def _ignored(self, name: str) -> bool:
+        return is_ignored_in(self.spec, name, self.s.ignore)
+
+    @functools.cached_property
+    def min_tokens(self) -> int:
+        """Inputs of fewer tokens than this are too few to calibrate a linear on."""
+        tokens = sum(x.numel() // x.shape[-1] for x in self.X)
+        return max(1, math.ceil(FEW_TOKENS_FRACTION * tokens))
+
+    def too_few(self, name: str, tokens: int) -> bool:
+        """Whether linear `name` saw too few tokens; if so, and it is quantized, it is recorded
+        as a fallback."""
+        if tokens >= self.min_tokens:
+            return False
+        if name in self.names:
+            self.fallbacks[name] = tokens
+        return True
 
     def finish(self, names: Iterable[str]) -> None:
         """Mark the named linears quantized (their weights are final)."""
@@ -91,8 +129,8 @@ class BlockContext:
         return self.block.get_submodule(name)
 
     def _owners(self, names: Iterable[str]) -> dict[str, str]:
-        """Each linear -> the first of its sequential group (the group's linears share inputs)."""
-        return {n: next(g for g in self.spec.sequential if n in g)[0] for n in names}
+        """Each linear -> the linear whose input it shares (`ArchSpec.owner`)."""
+        return {n: self.spec.owner(n) for n in names}
 
     def collect(self, names: Iterable[str], step: Callable[[Any, Tensor], Any]) -> dict[str, Any]:
         """Accumulate the inputs of the named linears over X with `step`. Linears of one
@@ -117,15 +155,25 @@ class BlockContext:
         owners = set(owner.values())
         modules = {o: self.linear(o) for o in owners}
         acc: dict[str, Any] = dict.fromkeys(owners)
+        dense = {o for o in owners if not self.spec.is_expert(o)}
         with self.attention_replay(any(self._in_attention(o) for o in owners)):
             for i, x in enumerate(self.X):
-                native = self.reference.inputs(i, owners)
+                native = self.reference.inputs(i, dense)
 
-                def paired(name: str, a: Any, v: Tensor, native: dict[str, Tensor] = native) -> Any:
-                    return step(a, v, native[name])
+                def paired(name: str, a: Any, v: Tensor, native: dict = native, i: int = i) -> Any:
+                    x_fp = native[name] if name in native else self._float_expert_input(i, name)
+                    return step(a, v, x_fp)
 
                 acc = collect_inputs(self.block, modules, [x], self.kwargs, None, acc, paired)
         return {n: acc[o] for n, o in owner.items()}
+
+    def _float_expert_input(self, i: int, name: str) -> Tensor:
+        """The float model's input to expert linear `name` at the tokens of sample i that the
+        quantized block routes to its expert in the call under way."""
+        assert self.reference is not None
+        tokens = self.block.get_submodule(name.rpartition(".")[0]).routed_tokens
+        x_fp = self.reference.moe_inputs[i][tokens]
+        return float_expert_input(self.reference.block, name, x_fp)
 
 
 REFERENCE_CACHE_BYTES = 1 << 30  # GPTAQ keeps the float inputs of a block's linears up to this
@@ -143,6 +191,7 @@ class Reference:
     kwargs: dict[str, Any]
     outputs: list[Tensor]
     cached: list[dict[str, Tensor]] | None
+    moe_inputs: list[Tensor] | None = None  # a sparse block: its MoE block's input [T, H]
 
     @classmethod
     def run(
@@ -150,11 +199,13 @@ class Reference:
     ) -> Reference:
         """One float pass over X that gives the outputs and, within budget, the inputs."""
         fp_block = copy.deepcopy(block)
-        owners = {g[0]: fp_block.get_submodule(g[0]) for g in spec.sequential}
+        names = dict.fromkeys(spec.owner(n) for n in spec.linears if not spec.is_expert(n))
+        owners = {n: fp_block.get_submodule(n) for n in names}
         width = sum(m.weight.shape[1] for m in owners.values())
         keep = sum(x.numel() // x.shape[-1] for x in X) * width * 4 <= REFERENCE_CACHE_BYTES
         cached: list[dict[str, Tensor]] = []
         seen: dict[str, Tensor] = {}
+        moe_inputs: list[Tensor] = []
 
         def hook(name: str) -> Callable[..., None]:
             def fn(module: nn.Module, args: tuple[Tensor, ...]) -> None:
@@ -163,6 +214,8 @@ class Reference:
             return fn
 
         handles = [m.register_forward_pre_hook(hook(n)) for n, m in owners.items()] if keep else []
+        if spec.num_experts:  # the experts' float inputs are taken at the quantized routing
+            handles.append(_record_moe_inputs(fp_block, spec, moe_inputs))
         outputs = []
         try:
             for x in X:
@@ -172,7 +225,8 @@ class Reference:
         finally:
             for h in handles:
                 h.remove()
-        return cls(fp_block, X, kwargs, outputs, cached if keep else None)
+        moe = moe_inputs if spec.num_experts else None
+        return cls(fp_block, X, kwargs, outputs, cached if keep else None, moe)
 
     def inputs(self, i: int, owners: Iterable[str]) -> dict[str, Tensor]:
         """The float inputs of the named linears for sample i."""
@@ -180,3 +234,13 @@ class Reference:
             return self.cached[i]
         modules = {o: self.block.get_submodule(o) for o in owners}
         return collect_inputs(self.block, modules, [self.X[i]], self.kwargs, lambda _, v: v)
+
+
+def _record_moe_inputs(fp_block: nn.Module, spec: ArchSpec, into: list[Tensor]) -> Any:
+    """A hook appending each input of the block's MoE block, flattened to [T, H], to `into`."""
+
+    def hook(module: nn.Module, args: tuple[Tensor, ...]) -> None:
+        into.append(args[0].detach().reshape(-1, args[0].shape[-1]))
+
+    assert spec.moe is not None
+    return fp_block.get_submodule(spec.moe.block).register_forward_pre_hook(hook)

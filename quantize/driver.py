@@ -23,6 +23,11 @@ With an FP8 `kv_cache_dtype`, the keys and values block b's attention writes int
 (after RoPE) are observed while X_{b+1} is computed, i.e. with the quantized weights the engine
 will serve, and become per-tensor k_scale / v_scale (`qserve.quantize.kv_scales`).
 
+Mixture of experts (Mixtral, Qwen3-MoE): each sparse MoE block becomes a `CalibrationMoe`
+(`qserve.quantize.moe`) with per-expert linears, so that each expert is calibrated on the tokens
+routed to it; the routers stay unquantized (added to the ignored modules); tensors are written
+under the checkpoint's names (`ArchSpec.checkpoint_name`: Mixtral's `block_sparse_moe.`).
+
 Methods and their formats:
 
     rtn    round-to-nearest                          -> GPTQ format (no calibration)
@@ -37,6 +42,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
+import logging
 import time
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
@@ -50,7 +56,7 @@ from qserve.platform import resolve_device
 from qserve.quantize import export, offload
 from qserve.quantize import output_dir as output_dir_rules
 from qserve.quantize.arch import ArchSpec, arch_spec
-from qserve.quantize.block_context import BlockContext, Reference
+from qserve.quantize.block_context import FEW_TOKENS_FRACTION, BlockContext, Reference
 from qserve.quantize.calibration import calibration_windows, load_calibration_text
 from qserve.quantize.capture import capture_block_inputs
 from qserve.quantize.export import SEARCH_FILE
@@ -58,6 +64,7 @@ from qserve.quantize.fold import ScaleResult
 from qserve.quantize.kv_scales import KVObserver
 from qserve.quantize.methods import quantize_block, quantize_lm_head
 from qserve.quantize.model_check import check_model_tensors, meta_model
+from qserve.quantize.moe import prepare_moe
 from qserve.quantize.offload import BlockOffload
 from qserve.quantize.results import BlockResults, to_device
 from qserve.quantize.settings import (
@@ -66,6 +73,7 @@ from qserve.quantize.settings import (
     auto_group_size,
     check_group_size,
     out_dtype,
+    with_routers_ignored,
 )
 
 __all__ = [
@@ -78,6 +86,8 @@ __all__ = [
     "quantize_blocks",
     "resolve_device",
 ]
+
+logger = logging.getLogger("qserve")
 
 Progress = Callable[[int, int, float], None]  # (blocks done, total blocks, seconds left)
 
@@ -124,11 +134,13 @@ def quantize_model(
         raise QServeError(f"scales file {scales} is a folder", param="scales")
     config = AutoConfig.from_pretrained(model_path)
     spec = arch_spec(config.model_type)
+    settings = with_routers_ignored(settings, spec)
     skeleton = meta_model(config)
+    prepare_moe(skeleton, spec)
     if settings.group_size == "auto":
         group_size = auto_group_size(skeleton, spec, settings)
         settings = dataclasses.replace(settings, group_size=group_size)
-    check_model_tensors(model_path, skeleton)
+    check_model_tensors(model_path, skeleton, spec.checkpoint_name)
     if output_dir is None:
         output_dir = default_output_dir(model_name or Path(model_path).name, settings)
     output_dir_rules.check_output_dir(output_dir, overwrite, model_path)
@@ -163,8 +175,26 @@ def quantize_model(
                 (tmp / SEARCH_FILE).parent.mkdir()
                 found.save(tmp / SEARCH_FILE)
             made_by = provenance or {"recipe": None, "effective": dataclasses.asdict(settings)}
-            export.write_provenance(tmp, dict(made_by))
+            made_by = {**made_by, **_fallback_record(spec, results.fallbacks)}
+            export.write_provenance(tmp, made_by)
     return Path(output_dir)
+
+
+def _fallback_record(spec: ArchSpec, fallbacks: dict[str, int]) -> dict[str, Any]:
+    """The provenance entry (and a warning) naming the linears that saw too few calibration
+    tokens to be calibrated on (experts no or few tokens are routed to); {} when none did."""
+    if not fallbacks:
+        return {}
+    names = {spec.checkpoint_name(n): tokens for n, tokens in fallbacks.items()}
+    rule = (
+        f"fewer than {FEW_TOKENS_FRACTION:.1%} of the calibration tokens: rounded to nearest "
+        "(awq: no scale or clip search; static input scales: the largest of the experts')"
+    )
+    logger.warning(
+        "%d linear(s) saw too few calibration tokens (%s), e.g. %s with %d",
+        len(names), rule, *next(iter(names.items())),
+    )  # fmt: skip
+    return {"few_token_fallback": {"rule": rule, "linears": names}}
 
 
 def default_output_dir(model_name: str, settings: QuantizeSettings) -> Path:
@@ -187,12 +217,17 @@ def _calibration_model(
     from transformers import AutoModelForCausalLM
 
     if offload_dir is None:
-        yield AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval(), None
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+        prepare_moe(model, spec)
+        yield model, None
         return
     checkpoint = offload.SafetensorsCheckpoint(model_path)  # refuses .bin-only before any work
     with offload.offload_folder(offload_dir, output_dir) as folder:
         model = offload.empty_model(model_path, checkpoint, spec.blocks)
-        yield model, BlockOffload(model, spec.blocks, checkpoint, folder, settings, dtype)
+        prepare_moe(model, spec)
+        blocks = BlockOffload(model, spec.blocks, checkpoint, folder, settings, dtype)
+        blocks.rename = spec.checkpoint_name  # read and written under the checkpoint's names
+        yield model, blocks
 
 
 @torch.no_grad()
@@ -216,6 +251,8 @@ def quantize_blocks(
     after it is quantized (the results then stay there: the returned ones are empty).
     """
     device = torch.device(device)
+    prepare_moe(model, spec)  # a no-op after quantize_model (and for dense models)
+    settings = with_routers_ignored(settings, spec)
     blocks: nn.ModuleList = model.get_submodule(spec.blocks)
     X, block_kwargs = (
         capture_block_inputs(model, blocks, input_ids)
@@ -231,12 +268,14 @@ def quantize_blocks(
             offloaded.load(block, prefix)
         with _working_device(block, device):
             X, kwargs = to_device(X, device), to_device(block_kwargs[b], device)
+            block_spec = spec.for_block(block)
             reference = None
             if X_fp is not None:
-                reference = Reference.run(block, spec, to_device(X_fp, device), kwargs)
+                reference = Reference.run(block, block_spec, to_device(X_fp, device), kwargs)
                 X_fp = reference.outputs
-            ctx = BlockContext(block, prefix, spec, settings, X, kwargs, reference)
+            ctx = BlockContext(block, prefix, block_spec, settings, X, kwargs, reference)
             done = BlockResults(to_device(quantize_block(ctx, scales), "cpu"))
+            done.fallbacks = {prefix + n: tokens for n, tokens in ctx.fallbacks.items()}
             X, kv_absmax = _block_outputs(ctx, last=b == len(blocks) - 1)
             del ctx, reference
             if kv_absmax is not None:
@@ -245,6 +284,7 @@ def quantize_blocks(
             results.update(done)
         else:
             offloaded.save(block, prefix, done)
+            results.fallbacks.update(done.fallbacks)
         if progress is not None:
             elapsed = time.monotonic() - start
             progress(b + 1, len(blocks), elapsed / (b + 1) * (len(blocks) - b - 1))

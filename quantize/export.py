@@ -19,7 +19,11 @@ i.e. fp8_e4m3). qserve reads these scales in every format; vLLM loads them for c
 (and its own fp8 format) and ignores them in GPTQ / AWQ checkpoints, whose quantization configs
 give its attention layers no KV scales.
 
-Biases and every other tensor keep their names. A checkpoint is written into a temporary folder
+Biases and every other tensor keep their names, as checkpoints write them: Mixtral's MoE blocks
+are `block_sparse_moe.` (transformers 5 calls them `mlp.`), each expert's linears
+`experts.N.w1` / `w2` / `w3` (Qwen3-MoE: `mlp.experts.N.gate_proj` / `up_proj` / `down_proj`),
+as vLLM and transformers read them; the routers (`.gate`) stay in floating point and are named
+among the unquantized modules of each format. A checkpoint is written into a temporary folder
 next to the destination and moved into place at the end (`output_dir.staging_dir`). With
 calibration offloaded to disk, the blocks' tensors come from safetensors files and are copied into
 model.safetensors one tensor at a time (`merge_safetensors`), so the whole checkpoint is never in
@@ -257,6 +261,7 @@ def write_quantized(
     if getattr(model.config, "tie_word_embeddings", False):
         state.pop("lm_head.weight", None)
     tensors = checkpoint_tensors(state, results, settings, dtype)
+    tensors = {spec.checkpoint_name(k): v for k, v in tensors.items()}
     quantized = set(results.linears) | (blocks.quantized if blocks is not None else set())
     qconfig, extra = quantization_config(model, spec, quantized, settings)
     config = model.config.to_dict()
@@ -291,9 +296,12 @@ def checkpoint_tensors(
 def quantization_config(
     model: nn.Module, spec: ArchSpec, quantized: set[str], s: QuantizeSettings
 ) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
-    """(config.json["quantization_config"], extra JSON files), naming the unquantized linears."""
+    """(config.json["quantization_config"], extra JSON files), naming the unquantized linears
+    (routers of mixture-of-experts blocks among them) as checkpoints name them."""
     skipped = [
-        n for n, m in model.named_modules() if isinstance(m, nn.Linear) and n not in quantized
+        spec.checkpoint_name(n)
+        for n, m in model.named_modules()
+        if isinstance(m, nn.Linear) and n not in quantized
     ]
     if s.method == "awq":
         return awq_config(s.group_size, [n for n in skipped if n != "lm_head"]), {}
@@ -312,10 +320,26 @@ def quantization_config(
     )  # fmt: skip
     if "lm_head" in quantized:
         qconfig["lm_head"] = True
-    block0 = f"{spec.blocks}.0."
-    if any(n.startswith(block0) for n in skipped):
+    if any(n.startswith(f"{spec.blocks}.") for n in skipped):
         # optimum/GPTQModel's way of naming the linears that carry quantized tensors
-        qconfig["modules_in_block_to_quantize"] = [
-            [n for n in group if block0 + n in quantized] for group in spec.sequential
-        ]
+        qconfig["modules_in_block_to_quantize"] = _block_modules(model, spec, quantized)
     return qconfig, {"quantize_config.json": qconfig}
+
+
+def _block_modules(model: nn.Module, spec: ArchSpec, quantized: set[str]) -> list[list[str]]:
+    """The quantized linears of a block per sequential group, relative to the block, as
+    checkpoints name them; the groups of every kind of block (sparse and dense MoE layers)."""
+    groups: list[list[str]] = []
+    kinds: set[ArchSpec] = set()
+    for b, block in enumerate(model.get_submodule(spec.blocks)):
+        block_spec = spec.for_block(block)
+        if block_spec in kinds:
+            continue  # the first block of each kind names them
+        kinds.add(block_spec)
+        prefix = f"{spec.blocks}.{b}."
+        for group in block_spec.sequential:
+            names = [spec.checkpoint_name(prefix + n) for n in group if prefix + n in quantized]
+            names = [n.removeprefix(prefix) for n in names]
+            if not (names and names in groups):  # attention's, in both kinds of MoE layer
+                groups.append(names)
+    return groups

@@ -8,6 +8,15 @@ and return the quantized weights by name relative to the block.
 
 The AWQ / SmoothQuant searches run first (`quantize_block`) when their result is collected;
 `quantize_lm_head` quantizes lm_head like a block's linear.
+
+Too few tokens (mixture-of-experts experts see only the tokens routed to them): a linear whose
+inputs number fewer than `BlockContext.min_tokens` (0.5% of the calibration tokens, at least 1)
+is not calibrated on them: a Hessian of so few tokens is rank-deficient and GPTQ would fit
+those tokens only (GPTQModel's FailSafe does the same). gptq and int8/fp8 with GPTQ rounding
+round it to nearest instead; awq leaves it out of the scale search's error and skips its clip
+search; a static input scale takes the largest of the same projection's over the block's
+experts. Each such linear is recorded (`BlockContext.fallbacks`, then the checkpoint's
+provenance).
 """
 
 from __future__ import annotations
@@ -70,7 +79,12 @@ def _gptq_block(ctx: BlockContext) -> dict[str, QuantizedWeight]:
             stats = ctx.collect_paired(group, _gptaq_step)
         else:
             stats = {n: (h, None) for n, h in ctx.collect(group, _hessian_step).items()}
-        for n, ((H, _), dxxt) in stats.items():
+        for n, acc in stats.items():
+            hessian, dxxt = acc or (None, None)
+            H, tokens = hessian or (None, 0)
+            if ctx.too_few(n, tokens):
+                out[n] = _set_weight(ctx.linear(n), _rtn(ctx, n))
+                continue
             W = ctx.linear(n).weight.data
             qw = gptq_quantize(
                 W, H, s.bits, s.group_size, s.sym, s.damp,
@@ -85,12 +99,14 @@ def _gptq_block(ctx: BlockContext) -> dict[str, QuantizedWeight]:
 
 def _rtn_block(ctx: BlockContext) -> dict[str, QuantizedWeight]:
     """RTN on the (AWQ-scaled and clipped, for awq) weights."""
-    s, out = ctx.s, {}
-    for n in ctx.names:
-        qw = rtn_quantize(ctx.linear(n).weight.data, s.bits, s.group_size, s.sym, s.min_zero)
-        out[n] = _set_weight(ctx.linear(n), qw)
+    out = {n: _set_weight(ctx.linear(n), _rtn(ctx, n)) for n in ctx.names}
     ctx.finish(out)
     return out
+
+
+def _rtn(ctx: BlockContext, name: str) -> QuantizedWeight:
+    s = ctx.s
+    return rtn_quantize(ctx.linear(name).weight.data, s.bits, s.group_size, s.sym, s.min_zero)
 
 
 def _w8_block(ctx: BlockContext) -> dict[str, W8Weight]:
@@ -103,12 +119,16 @@ def _w8_block(ctx: BlockContext) -> dict[str, W8Weight]:
     for group in ctx.spec.sequential:
         group = [n for n in group if n in ctx.names]
         if s.gptq_weights:
-            hessians = ctx.collect(group, _hessian_step).items()
-            W = {n: ctx.linear(n).weight.data for n in group}
-            results = {
-                n: gptq_w8_quantize(W[n], H, s.method, s.weight_strategy, s.damp)
-                for n, (H, _) in hessians
-            }
+            results = {}
+            for n, acc in ctx.collect(group, _hessian_step).items():
+                H, tokens = acc or (None, 0)
+                W = ctx.linear(n).weight.data
+                few = ctx.too_few(n, tokens)
+                results[n] = (
+                    quant(W, s.weight_strategy)
+                    if few
+                    else gptq_w8_quantize(W, H, s.method, s.weight_strategy, s.damp)
+                )
         else:
             results = {n: quant(ctx.linear(n).weight.data, s.weight_strategy) for n in group}
         for n, (Q, scale) in results.items():
@@ -117,9 +137,23 @@ def _w8_block(ctx: BlockContext) -> dict[str, W8Weight]:
         ctx.finish(group)
     if s.activation_scheme == "static":
         to_scale = int8_input_scale if int8 else fp8_input_scale
-        for n, absmax in ctx.collect(ctx.names, _absmax_step).items():
+        for n, absmax in _input_absmax(ctx).items():
             out[n] = dataclasses.replace(out[n], input_scale=to_scale(absmax))
     return out
+
+
+def _input_absmax(ctx: BlockContext) -> dict[str, Tensor]:
+    """max |x| of each linear's inputs; an expert that saw too few tokens takes the largest of
+    its projection's (w1, w2, ...) over the block's experts."""
+    stats = {n: acc or (None, 0) for n, acc in ctx.collect(ctx.names, _absmax_count_step).items()}
+    few = {n for n, (_, tokens) in stats.items() if ctx.too_few(n, tokens)}
+    absmax = {n: m for n, (m, _) in stats.items()}
+    for n in few:
+        kind = n.rpartition(".")[2]
+        same = [m for o, m in absmax.items() if m is not None and ctx.spec.is_expert(o)
+                and o.rpartition(".")[2] == kind]  # fmt: skip
+        absmax[n] = torch.stack(same).amax(dim=0)
+    return absmax
 
 
 BLOCK_QUANTIZERS: dict[str, BlockQuantizer] = {
@@ -147,19 +181,22 @@ def _foldable(ctx: BlockContext, m: ScaleMapping) -> bool:
 def _awq_search(ctx: BlockContext, result: ScaleResult) -> None:
     """AWQ on the float block: scale search + fold for each mapping, then the clip search."""
     s = ctx.s
-    stats = {n: (abs_sum / n_tok, H) for n, ((H, n_tok), abs_sum) in
+    stats = {n: _awq_stats(ctx, n, acc) for n, acc in
              ctx.collect(ctx.spec.linears, _awq_stats_step).items()}  # fmt: skip
     for m in filter(lambda m: _foldable(ctx, m), ctx.spec.mappings):
-        lins = [ctx.linear(n) for n in m.linears]
-        x_mean, H = stats[m.linears[0]]
-        scale, _, _ = search_scale(x_mean, H, [w.weight.data for w in lins], s.bits, s.group_size)
-        apply_scales(ctx.block.get_submodule(m.prev), lins, scale)
-        stats.update(dict.fromkeys(m.linears, rescale_stats(x_mean, H, scale)))
+        searched = [n for n in m.linears if n in ctx.names and stats[n] is not None]
+        if stats[m.linears[0]] is None or not searched:
+            continue  # an expert that saw too few tokens: no scales
+        x_mean, _ = stats[m.linears[0]]
+        Ws = [ctx.linear(n).weight.data for n in searched]
+        scale, _, _ = search_scale(x_mean, _hessians(stats, searched), Ws, s.bits, s.group_size)
+        apply_scales(ctx.block.get_submodule(m.prev), [ctx.linear(n) for n in m.linears], scale)
+        _rescale(stats, m.linears, scale)
         result.scales[ctx.prefix + m.prev] = scale.cpu()
         result.linears[ctx.prefix + m.prev] = [ctx.prefix + n for n in m.linears]
     for n in ctx.names:
-        if n.endswith(("q_proj", "k_proj")):
-            continue  # the softmax hides their error; AutoAWQ skips them too
+        if n.endswith(("q_proj", "k_proj")) or stats[n] is None:
+            continue  # the softmax hides their error (AutoAWQ skips them too); too few tokens
         W = ctx.linear(n).weight.data
         max_val = search_clip(stats[n][1], W, s.bits, s.group_size)
         W.copy_(clip_weight(W, max_val, s.group_size))
@@ -171,15 +208,36 @@ def _smooth_search(ctx: BlockContext, result: ScaleResult) -> None:
     maps = [m for m in ctx.spec.mappings if m.smooth and _foldable(ctx, m)]
     absmax = ctx.collect([m.linears[0] for m in maps], _absmax_step)
     for m in maps:
-        lins = [ctx.linear(n) for n in m.linears]
-        W = [w.weight.data for w in lins]
+        W = [ctx.linear(n).weight.data for n in m.linears if n in ctx.names]
+        if not W:
+            continue
         scale = smooth_scales(absmax[m.linears[0]], W, ctx.s.smooth_alpha)
-        apply_scales(ctx.block.get_submodule(m.prev), lins, scale)
+        apply_scales(ctx.block.get_submodule(m.prev), [ctx.linear(n) for n in m.linears], scale)
         result.scales[ctx.prefix + m.prev] = scale.cpu()
         result.linears[ctx.prefix + m.prev] = [ctx.prefix + n for n in m.linears]
 
 
-# ------------------------------------------------------------------------------ hooks and steps
+def _awq_stats(ctx: BlockContext, name: str, acc: Any) -> tuple[Tensor, Tensor] | None:
+    """(mean |x|, H) of a linear's inputs, or None when they are too few to search on."""
+    (H, tokens), abs_sum = acc or ((None, 0), None)
+    return None if ctx.too_few(name, tokens) else (abs_sum / tokens, H)
+
+
+def _hessians(stats: dict[str, Any], names: list[str]) -> Tensor | list[Tensor]:
+    """The H the linears share, or one per linear (experts: each of its routed tokens)."""
+    Hs = [stats[n][1] for n in names]
+    return Hs[0] if all(H is Hs[0] for H in Hs) else Hs
+
+
+def _rescale(stats: dict[str, Any], names: tuple[str, ...], scale: Tensor) -> None:
+    """Statistics of the inputs after folding 1/scale into them (shared ones rescaled once)."""
+    done: dict[int, tuple[Tensor, Tensor]] = {}
+    for n in names:
+        if stats[n] is not None:
+            key = id(stats[n])
+            if key not in done:
+                done[key] = rescale_stats(*stats[n], scale)
+            stats[n] = done[key]
 
 
 # ------------------------------------------------------------------------ statistics steps
@@ -199,6 +257,12 @@ def _gptaq_step(acc: Any, x: Tensor, x_fp: Tensor) -> tuple[tuple[Tensor, int], 
 def _absmax_step(acc: Tensor | None, x: Tensor) -> Tensor:
     m = activation_absmax(x)
     return m if acc is None else torch.maximum(acc, m)
+
+
+def _absmax_count_step(acc: tuple[Tensor, int] | None, x: Tensor) -> tuple[Tensor, int]:
+    """(max |x| per channel, tokens)."""
+    m, n = acc if acc is not None else (None, 0)
+    return _absmax_step(m, x), n + x.numel() // x.shape[-1]
 
 
 def _awq_stats_step(acc: Any, x: Tensor) -> tuple[tuple[Tensor, int], Tensor]:

@@ -10,6 +10,7 @@ Only the safetensors headers are read.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -31,13 +32,20 @@ def meta_model(config: Any) -> Any:
         return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
 
 
-def check_model_tensors(model_path: str | Path, skeleton: Any) -> None:
+def check_model_tensors(
+    model_path: str | Path,
+    skeleton: Any,
+    rename: Callable[[str], str] = str,  # str: as they are
+) -> None:
     """One-line QServeError unless the checkpoint holds exactly the tensors the model needs
-    (`skeleton`: its `meta_model`). A checkpoint without safetensors (pytorch_model.bin) is not
-    checked: its names cannot be read without loading it."""
+    (`skeleton`: its `meta_model`, its names read as `rename` gives them in checkpoints). A
+    checkpoint without safetensors (pytorch_model.bin) is not checked: its names cannot be read
+    without loading it."""
     if not any(Path(model_path).glob("*.safetensors")):
         return
     expected, optional = _expected_shapes(skeleton)
+    expected = {rename(n): shape for n, shape in expected.items()}
+    optional = {rename(n) for n in optional}
     stored = _stored_shapes(model_path)
     missing = [n for n in expected if n not in stored and n not in optional]
     unused = [n for n in stored if n not in expected and not n.endswith(IGNORED_SUFFIXES)]

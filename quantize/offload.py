@@ -250,6 +250,8 @@ class BlockOffload:
     A finished block leaves one file in `folder` holding exactly its tensors of the output
     checkpoint (`_checkpoint_tensors` of the block); `quantized` names its quantized linears.
     `replay`: a saved AWQ / SmoothQuant search, folded into each block as it is read.
+    `rename`: a full name in the model -> in the checkpoint (`ArchSpec.checkpoint_name`), used
+    to read the block and to name what is written.
     """
 
     model: nn.Module
@@ -261,6 +263,7 @@ class BlockOffload:
     replay: ScaleResult | None = None
     files: list[Path] = dataclasses.field(default_factory=list)
     quantized: set[str] = dataclasses.field(default_factory=set)
+    rename: Callable[[str], str] = str  # str: the same names
 
     def set_replay(self, scales: ScaleResult) -> None:
         """Check `scales` against the model now; fold what lies outside the blocks now, the
@@ -275,8 +278,9 @@ class BlockOffload:
 
     def load(self, block: nn.Module, prefix: str) -> None:
         """Read the block's tensors (fp32) from the checkpoint, and fold the replayed search."""
-        tensors = self.checkpoint.read(prefix + n for n in block.state_dict())
-        materialize(block, {n.removeprefix(prefix): t for n, t in tensors.items()})
+        names = {self.rename(prefix + n): n for n in block.state_dict()}
+        tensors = self.checkpoint.read(names)
+        materialize(block, {names[n]: t for n, t in tensors.items()})
         if self.replay is not None:
             mine = select_scales(self.replay, lambda name: name.startswith(prefix))
             mine.apply(self.model, self.settings.group_size)
@@ -285,6 +289,7 @@ class BlockOffload:
         """Write the block's checkpoint tensors to the offload folder and free the block."""
         state = {k: v.detach() for k, v in block.state_dict(prefix=prefix).items()}
         tensors = export.checkpoint_tensors(state, done, self.settings, self.dtype)
+        tensors = {self.rename(k): v for k, v in tensors.items()}
         path = self.folder / f"{prefix.rstrip('.')}.safetensors"
         try:
             save_file({k: v.contiguous() for k, v in tensors.items()}, str(path))

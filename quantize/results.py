@@ -29,10 +29,13 @@ class BlockResults:
     linears: dict[str, QuantizedWeight | W8Weight] = dataclasses.field(default_factory=dict)
     # attention module (model.layers.N.self_attn) -> (max |K|, max |V|), fp32 scalars
     kv_absmax: dict[str, tuple[Tensor, Tensor]] = dataclasses.field(default_factory=dict)
+    # linears that saw too few calibration tokens (experts) -> their token count
+    fallbacks: dict[str, int] = dataclasses.field(default_factory=dict)
 
     def update(self, other: BlockResults) -> None:
         self.linears.update(other.linears)
         self.kv_absmax.update(other.kv_absmax)
+        self.fallbacks.update(other.fallbacks)
 
 
 def to_device(obj: Any, device: Any) -> Any:

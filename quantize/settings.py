@@ -28,6 +28,8 @@ __all__ = [
     "check_group_size",
     "auto_group_size",
     "is_ignored",
+    "is_ignored_in",
+    "with_routers_ignored",
     "out_dtype",
 ]
 
@@ -212,11 +214,11 @@ def check_group_size(model: nn.Module, spec: ArchSpec, settings: QuantizeSetting
     if settings.method not in ("rtn", "gptq", "awq") or gs == -1:
         return
     for b, block in enumerate(model.get_submodule(spec.blocks)):
-        for name in spec.linears:
+        for name in spec.for_block(block).linears:
             full = f"{spec.blocks}.{b}.{name}"
             K = block.get_submodule(name).in_features
-            if K % gs and not is_ignored(full, settings.ignore):
-                raise _group_size_error(gs, full, K)
+            if K % gs and not is_ignored_in(spec, full, settings.ignore):
+                raise _group_size_error(gs, spec.checkpoint_name(full), K)
     K = model.get_output_embeddings().in_features
     if settings.quantize_lm_head and K % gs:
         raise _group_size_error(gs, "lm_head", K)
@@ -256,6 +258,23 @@ def is_ignored(name: str, ignore: Iterable[str]) -> bool:
         elif name == pattern or name.endswith("." + pattern):
             return True
     return False
+
+
+def is_ignored_in(spec: ArchSpec, name: str, ignore: Iterable[str]) -> bool:
+    """`is_ignored` by the module's name in the model or in the checkpoint (they differ for
+    Mixtral's MoE blocks: `mlp.` in transformers 5, `block_sparse_moe.` in checkpoints)."""
+    return is_ignored(name, ignore) or is_ignored(spec.checkpoint_name(name), ignore)
+
+
+def with_routers_ignored(settings: QuantizeSettings, spec: ArchSpec) -> QuantizeSettings:
+    """`settings` ignoring the routers of mixture-of-experts blocks (as checkpoints name them):
+    they stay unquantized, as GPTQModel, llm-compressor and vLLM keep them."""
+    if spec.moe is None:
+        return settings
+    router = f"{spec.moe.checkpoint_block}.{spec.moe.router}"
+    if router in settings.ignore:
+        return settings
+    return dataclasses.replace(settings, ignore=(*settings.ignore, router))
 
 
 def out_dtype(dtype: str | None, method: str) -> torch.dtype:

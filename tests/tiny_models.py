@@ -133,8 +133,7 @@ TINY_MODELS = {
         ),
     ),
 }
-# Quantizing mixture-of-experts models is the next step: until then quantize refuses them and
-# the per-method quantization tests leave them out.
+# The mixture-of-experts models (their quantized checkpoints are checked per expert).
 MOE_MODELS = {"mixtral", "qwen3-moe"}
 
 

@@ -6,6 +6,7 @@ assigned straight from the checkpoint in the target dtype and device.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 from collections.abc import Iterator
@@ -21,7 +22,7 @@ from qserve.errors import QServeError
 from qserve.model.config import ModelConfig
 from qserve.model.kv_scales import apply_kv_scales, pop_kv_scales
 from qserve.model.llama import LlamaForCausalLM
-from qserve.model.moe import moe_checkpoint_tensors
+from qserve.model.moe import checkpoint_namer, is_router, moe_checkpoint_tensors
 from qserve.model.quant import keeps_stored_dtype, prepare_quant_linears, swap_quant_linears
 from qserve.model.rotary import RotaryEmbedding
 from qserve.quantize.export import PROVENANCE_FILE
@@ -65,10 +66,13 @@ def load_model(
     config = ModelConfig.from_pretrained(path)
     with torch.device("meta"):
         model = model_class(config)(config)
-    state = moe_checkpoint_tensors(read_state_dict(path, dtype, device), config)
+    stored = read_state_dict(path, dtype, device)
+    checkpoint_name = checkpoint_namer(stored)
+    state = moe_checkpoint_tensors(stored, config)
     kv_scales = pop_kv_scales(state)
     if config.quantization is not None:
-        swap_quant_linears(model, config.quantization, state)
+        routers = functools.partial(is_router, model)  # dense in every scheme, as in vLLM
+        swap_quant_linears(model, config.quantization, state, checkpoint_name, routers)
     _assign_weights(model, state, source=str(path))
     for module in model.modules():
         if isinstance(module, RotaryEmbedding):

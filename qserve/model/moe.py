@@ -17,11 +17,15 @@ Checkpoints: per-expert tensors as on the Hub and as transformers' `save_pretrai
 them load as they are; Mixtral's `block_sparse_moe.` prefix is read as `mlp.` (transformers 5's
 renaming); the fused 3-D layout of transformers 5's in-memory state dict
 (`experts.gate_up_proj` [E, 2I, H], `experts.down_proj` [E, H, I]) is split per expert.
+Quantized checkpoints hold each expert's linears quantized on their own (`experts.N.w1.qweight`,
+...): the loader swaps a quantized linear in per expert, asking the scheme under the name the
+checkpoint uses (`checkpoint_namer`); the router stays dense whatever the scheme says
+(`is_router`), as in vLLM, whose MoE layers build it without a quantization config.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -164,6 +168,26 @@ class SparseMoeBlock(nn.Module):
     def merge(self) -> bool:
         """Fuse each expert's gate/up where the kernel paths allow; True if all merged."""
         return all([expert.merge() for expert in self.experts])
+
+
+def is_router(model: nn.Module, name: str) -> bool:
+    """Whether module `name` of `model` is the router of a sparse MoE block."""
+    parent, _, child = name.rpartition(".")
+    return child == "gate" and isinstance(model.get_submodule(parent), SparseMoeBlock)
+
+
+def checkpoint_namer(checkpoint_names: Iterable[str]) -> Callable[[str], str]:
+    """Our module name -> the name the checkpoint (holding `checkpoint_names`) gives it: Mixtral's
+    `mlp.` is `block_sparse_moe.` in checkpoints that write it so (the Hub's, qserve's)."""
+    names = list(checkpoint_names)
+    renames = [(new, old) for old, new in CHECKPOINT_RENAMES if any(old in n for n in names)]
+
+    def name(module: str) -> str:
+        for ours, theirs in renames:
+            module = module.replace(ours, theirs)
+        return module
+
+    return name
 
 
 def moe_checkpoint_tensors(

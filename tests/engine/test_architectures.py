@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from qserve.engine.llm import LLM
-from qserve.engine.sampling_params import SamplingParams
+from tests.engine.greedy import engine_greedy, transformers_greedy
 from tests.tiny import byte_bpe_tokenizer
 from tests.tiny_models import TINY_MODELS, build_tiny_model
 
@@ -35,30 +35,19 @@ def case(request, tmp_path_factory) -> tuple[Path, list[list[int]], list[list[in
     vocab = TINY_MODELS[request.param][1].vocab_size
     gen = torch.Generator().manual_seed(len(request.param))
     prompts = [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in PROMPT_LENS]
-    return folder, prompts, transformers_greedy(folder, prompts)
+    return folder, prompts, transformers_reference(folder, prompts)
 
 
-def transformers_greedy(folder: Path, prompts: list[list[int]]) -> list[list[int]]:
+def transformers_reference(folder: Path, prompts: list[list[int]]) -> list[list[int]]:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    outs = []
-    with torch.inference_mode():
-        for p in prompts:
-            ids = torch.tensor([p])  # an explicit mask: a token 0 in p is not padding
-            seq = model.generate(
-                ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS,
-                min_new_tokens=MAX_TOKENS, do_sample=False, pad_token_id=0,
-            )  # fmt: skip
-            outs.append(seq[0, len(p) :].tolist())
-    return outs
+    return transformers_greedy(model, prompts, MAX_TOKENS)
 
 
 def generate(folder: Path, prompts: list[list[int]], **engine_args) -> tuple[LLM, list]:
-    llm = LLM(str(folder), dtype="float32", block_size=BLOCK_SIZE, num_threads=1, **engine_args)
-    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    outputs = llm.generate(prompts, params)
-    return llm, [o.outputs[0].token_ids for o in outputs]
+    engine_args = {"block_size": BLOCK_SIZE, "num_threads": 1} | engine_args
+    return engine_greedy(folder, prompts, MAX_TOKENS, **engine_args)
 
 
 def block_bytes(folder: Path) -> int:

@@ -7,8 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from qserve.engine.llm import LLM
-from qserve.engine.sampling_params import SamplingParams
+from tests.engine.greedy import engine_greedy, transformers_greedy
 from tests.text import moby_dick
 
 pytestmark = pytest.mark.slow
@@ -39,25 +38,11 @@ def expected(model_dir, prompts) -> list[list[int]]:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    outs = []
-    with torch.inference_mode():
-        for p in prompts:
-            seq = model.generate(
-                torch.tensor([p]),
-                max_new_tokens=MAX_TOKENS,
-                do_sample=False,
-                min_new_tokens=MAX_TOKENS,
-                pad_token_id=0,
-            )
-            outs.append(seq[0, len(p) :].tolist())
-    return outs
+    return transformers_greedy(model, prompts, MAX_TOKENS)
 
 
 def run(model_dir, prompts, **engine_args):
-    llm = LLM(str(model_dir), dtype="float32", **engine_args)
-    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    outputs = llm.generate(prompts, params)
-    return llm, [o.outputs[0].token_ids for o in outputs]
+    return engine_greedy(model_dir, prompts, MAX_TOKENS, **engine_args)
 
 
 def test_matches_transformers(model_dir, prompts, expected):

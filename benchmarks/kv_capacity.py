@@ -38,7 +38,6 @@ Prints a table and writes JSON.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from collections.abc import Callable
@@ -51,6 +50,7 @@ import torch
 if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.results_file import write_results  # noqa: E402
 from benchmarks.workload import QUICK, BenchRequest, WorkloadConfig, make_workload  # noqa: E402
 from qserve.config import EngineConfig, parse_memory  # noqa: E402
 from qserve.engine.kv_cache_manager import KVCacheManager  # noqa: E402
@@ -435,9 +435,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     summary = measure(args)
     print(format_table(summary))
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(summary, indent=2) + "\n")
-    print(f"wrote {args.output}")
+    write_results(args.output, summary)
     return 0
 
 

@@ -15,7 +15,6 @@ warm-up; the medians of `--repeats` calls and their ratio (loop / grouped) are r
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -23,6 +22,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+
+if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.results_file import run_arguments, write_results  # noqa: E402
 
 DEFAULT_OUTPUT = Path(__file__).resolve().parent / "results" / "moe_decode.json"
 
@@ -117,10 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     block = make_block(args)
     rows = [measure_batch(block, batch, args) for batch in args.batches]
     print_table(rows, args)
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    meta = vars(args) | {"output": str(args.output), "cpu": torch.backends.cpu.get_cpu_capability()}
-    args.output.write_text(json.dumps({"args": meta, "rows": rows}, indent=2) + "\n")
-    print(f"wrote {args.output}")
+    write_results(args.output, {"args": run_arguments(args), "rows": rows})
     return 0
 
 

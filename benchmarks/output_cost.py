@@ -13,12 +13,16 @@ reported. Only the output path is measured, not the model.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
 from pathlib import Path
 from typing import Any
+
+if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.results_file import run_arguments, write_results  # noqa: E402
 
 DEFAULT_OUTPUT = Path(__file__).resolve().parent / "results" / "output_cost.json"
 
@@ -90,10 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     for row in rows:
         cells = "".join(f"{row['us_per_step'][n]:>16.1f}" for n in args.positions)
         print(f"{row['kind']:<14}{cells}{row['growth']:>13.2f}x")
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps({"args": vars(args) | {"output": str(args.output)},
-                                       "rows": rows}, indent=2))  # fmt: skip
-    print(f"wrote {args.output}")
+    write_results(args.output, {"args": run_arguments(args), "rows": rows})
     return 0
 
 

@@ -46,6 +46,7 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.hostile import KINDS, hostile_clients  # noqa: E402
+from benchmarks.results_file import write_results  # noqa: E402
 from benchmarks.workload import QUICK, BenchRequest, WorkloadConfig, make_workload  # noqa: E402
 
 DEFAULT_OUTPUT = Path(__file__).resolve().parent / "results" / "serve.json"
@@ -382,9 +383,7 @@ def main(argv: list[str] | None = None) -> int:
         exit_code = stop_server(process) if process is not None else None
     report = {"model": args.model, "workload": asdict(config), "server_args": args.server_arg,
               "server_exit_code": exit_code, "runs": runs}  # fmt: skip
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(report, indent=2, default=str))
-    print(f"wrote {args.output}")
+    write_results(args.output, report)
     return 0 if all(r["failed"] == 0 and r["leaked_blocks"] == 0 for r in runs) else 1
 
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import statistics
 import sys
 import time
@@ -23,6 +22,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+
+if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.results_file import run_arguments, write_results  # noqa: E402
 
 DEFAULT_OUTPUT = Path(__file__).resolve().parent / "results" / "sliding_window.json"
 BLOCK_SIZE = 16
@@ -105,10 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         window = "full" if r["window"] is None else str(r["window"])
         print(f"{r['path']:<24}{window:>8}{r['median_us']:>14.1f}{r['speedup']:>12.2f}x")
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    meta = vars(args) | {"output": str(args.output), "cpu": torch.backends.cpu.get_cpu_capability()}
-    args.output.write_text(json.dumps({"args": meta, "rows": rows}, indent=2) + "\n")
-    print(f"wrote {args.output}")
+    write_results(args.output, {"args": run_arguments(args), "rows": rows})
     return 0
 
 

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import math
 import platform
 import statistics
@@ -49,6 +48,7 @@ import torch
 if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.results_file import write_results  # noqa: E402
 from benchmarks.workload import QUICK, BenchRequest, WorkloadConfig, make_workload  # noqa: E402
 
 DEFAULT_OUTPUT = Path(__file__).resolve().parent / "results" / "throughput.json"
@@ -670,9 +670,7 @@ def main(argv: list[str] | None = None) -> int:
     decode = None if args.skip_decode else run_decode(args, str(model_path), tokenizer)
     summary = report(results, requests, args, decode)
     print(format_table(summary))
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(summary, indent=2, default=str) + "\n")
-    print(f"wrote {args.output}")
+    write_results(args.output, summary)
     return 0
 
 

@@ -1,0 +1,22 @@
+"""Where every benchmark's JSON goes: one writer, and the run's arguments to put beside rows."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+
+def write_results(path: Path, payload: Any) -> None:
+    """`payload` as indented JSON at `path` (its folder made if missing), then a line saying so."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(payload, indent=2, default=str) + "\n")
+    print(f"wrote {path}")
+
+
+def run_arguments(args: argparse.Namespace) -> dict[str, Any]:
+    """The command's arguments and the CPU kind torch dispatches for, for the JSON's "args"."""
+    import torch
+
+    return vars(args) | {"output": str(args.output), "cpu": torch.backends.cpu.get_cpu_capability()}

@@ -22,7 +22,12 @@ from qserve.errors import QServeError
 from qserve.model.config import ModelConfig
 from qserve.model.kv_scales import apply_kv_scales, pop_kv_scales
 from qserve.model.llama import LlamaForCausalLM
-from qserve.model.moe import checkpoint_namer, is_router, moe_checkpoint_tensors
+from qserve.model.moe import (
+    checkpoint_namer,
+    checkpoint_renames,
+    is_router,
+    moe_checkpoint_tensors,
+)
 from qserve.model.quant import keeps_stored_dtype, prepare_quant_linears, swap_quant_linears
 from qserve.model.rotary import RotaryEmbedding
 from qserve.quantize.export import PROVENANCE_FILE
@@ -67,8 +72,9 @@ def load_model(
     with torch.device("meta"):
         model = model_class(config)(config)
     stored = read_state_dict(path, dtype, device)
-    checkpoint_name = checkpoint_namer(stored)
-    state = moe_checkpoint_tensors(stored, config)
+    renames = checkpoint_renames(stored, config)
+    checkpoint_name = checkpoint_namer(renames)
+    state = moe_checkpoint_tensors(stored, config, renames)
     kv_scales = pop_kv_scales(state)
     if config.quantization is not None:
         routers = functools.partial(is_router, model)  # dense in every scheme, as in vLLM

@@ -15,8 +15,10 @@ gate/up merge into one matmul per expert where their kernel path allows (`qserve
 
 Checkpoints: per-expert tensors as on the Hub and as transformers' `save_pretrained` writes
 them load as they are; Mixtral's `block_sparse_moe.` prefix is read as `mlp.` (transformers 5's
-renaming); the fused 3-D layout of transformers 5's in-memory state dict
-(`experts.gate_up_proj` [E, 2I, H], `experts.down_proj` [E, H, I]) is split per expert.
+renaming), and its experts' `gate_proj` / `up_proj` / `down_proj` as `w1` / `w3` / `w2` (the
+names GPTQModel 7.6 writes Mixtral's quantized experts under on transformers 5); the fused
+3-D layout of transformers 5's in-memory state dict (`experts.gate_up_proj` [E, 2I, H],
+`experts.down_proj` [E, H, I]) is split per expert.
 Quantized checkpoints hold each expert's linears quantized on their own (`experts.N.w1.qweight`,
 ...): the loader swaps a quantized linear in per expert, asking the scheme under the name the
 checkpoint uses (`checkpoint_namer`); the router stays dense whatever the scheme says
@@ -36,8 +38,12 @@ from qserve.model.config import ModelConfig
 from qserve.model.merge import MergedLinear, merge_linears
 
 Expert = Callable[[torch.Tensor], torch.Tensor]  # x [n, hidden] -> [n, hidden]
-# Checkpoint prefixes read under our module names (transformers 5's WeightRenaming for Mixtral).
+# (checkpoint's, ours) name parts read under our module names: transformers 5's renaming of
+# Mixtral's block, and the per-expert names GPTQModel 7.6 gives Mixtral's experts (as the
+# `defuser` package unfuses them) read as the Hub's.
 CHECKPOINT_RENAMES = ((".block_sparse_moe.", ".mlp."),)
+MIXTRAL_EXPERT_RENAMES = ((".gate_proj.", ".w1."), (".up_proj.", ".w3."), (".down_proj.", ".w2."))
+Renames = list[tuple[str, str]]
 
 
 def select_experts(
@@ -176,30 +182,39 @@ def is_router(model: nn.Module, name: str) -> bool:
     return child == "gate" and isinstance(model.get_submodule(parent), SparseMoeBlock)
 
 
-def checkpoint_namer(checkpoint_names: Iterable[str]) -> Callable[[str], str]:
-    """Our module name -> the name the checkpoint (holding `checkpoint_names`) gives it: Mixtral's
-    `mlp.` is `block_sparse_moe.` in checkpoints that write it so (the Hub's, qserve's)."""
+def checkpoint_renames(checkpoint_names: Iterable[str], config: ModelConfig) -> Renames:
+    """The (checkpoint's, ours) name parts that this checkpoint's MoE tensors need renamed."""
+    if not config.num_experts:
+        return []
+    pairs = list(CHECKPOINT_RENAMES)
+    if config.expert_names == ("w1", "w3", "w2"):  # Mixtral, whose MLPs are all experts
+        pairs += MIXTRAL_EXPERT_RENAMES
     names = list(checkpoint_names)
-    renames = [(new, old) for old, new in CHECKPOINT_RENAMES if any(old in n for n in names)]
+    return [(old, new) for old, new in pairs if any(old in n for n in names)]
+
+
+def checkpoint_namer(renames: Renames) -> Callable[[str], str]:
+    """Our module name -> the name the checkpoint gives it (`renames` reversed)."""
 
     def name(module: str) -> str:
-        for ours, theirs in renames:
-            module = module.replace(ours, theirs)
-        return module
+        dotted = f"{module}."
+        for theirs, ours in renames:
+            dotted = dotted.replace(ours, theirs)
+        return dotted[:-1]
 
     return name
 
 
 def moe_checkpoint_tensors(
-    state: dict[str, torch.Tensor], config: ModelConfig
+    state: dict[str, torch.Tensor], config: ModelConfig, renames: Renames
 ) -> dict[str, torch.Tensor]:
-    """`state` under our module names: Mixtral's `block_sparse_moe.` read as `mlp.`, and fused
-    3-D expert tensors (transformers 5's in-memory layout) split into per-expert weights."""
+    """`state` under our module names (`renames` applied), and fused 3-D expert tensors
+    (transformers 5's in-memory layout) split into per-expert weights."""
     if not config.num_experts:
         return state
     out = {}
     for name, tensor in state.items():
-        for old, new in CHECKPOINT_RENAMES:
+        for old, new in renames:
             name = name.replace(old, new)
         out.update(_split_fused(name, tensor, config.expert_names))
     return out

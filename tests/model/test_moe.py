@@ -22,9 +22,11 @@ from qserve.model.moe import (
     ExpertMLP,
     SparseMoeBlock,
     checkpoint_namer,
+    checkpoint_renames,
     fused_moe,
     fused_moe_per_token,
     is_router,
+    moe_checkpoint_tensors,
     select_experts,
 )
 from tests.tiny_models import TINY_MODELS, build_tiny_model
@@ -184,14 +186,26 @@ def test_quantized_configs_are_read():
     assert config.quantization is not None and config.num_experts == 4
 
 
-def test_checkpoint_namer_follows_the_checkpoint():
-    """The scheme of a quantized linear is asked under the checkpoint's name for it."""
-    hub = checkpoint_namer(["model.layers.0.block_sparse_moe.experts.0.w1.qweight"])
-    assert hub("model.layers.0.mlp.experts.0.w1") == "model.layers.0.block_sparse_moe.experts.0.w1"
-    ours = checkpoint_namer(["model.layers.0.mlp.experts.0.gate_proj.qweight"])
-    assert (
-        ours("model.layers.0.mlp.experts.0.gate_proj") == "model.layers.0.mlp.experts.0.gate_proj"
-    )
+def test_checkpoint_names_follow_the_checkpoint():
+    """The scheme of a quantized linear is asked under the checkpoint's name for it: Mixtral as
+    the Hub writes it, as GPTQModel 7.6 does (experts unfused by transformers 5 + defuser), and
+    Qwen3-MoE as it is."""
+    mixtral = ModelConfig.from_dict(raw_config("mixtral"))
+    qwen = ModelConfig.from_dict(raw_config("qwen3-moe"))
+    expert = "model.layers.0.mlp.experts.0"
+    cases = [
+        (mixtral, "block_sparse_moe.experts.0.w1", "w1", "block_sparse_moe.experts.0.w1"),
+        (mixtral, "mlp.experts.0.gate_proj", "w1", "mlp.experts.0.gate_proj"),
+        (mixtral, "mlp.experts.0.down_proj", "w2", "mlp.experts.0.down_proj"),
+        (qwen, "mlp.experts.0.gate_proj", "gate_proj", "mlp.experts.0.gate_proj"),
+    ]
+    for config, stored, ours, theirs in cases:
+        stored = f"model.layers.0.{stored}.qweight"
+        renames = checkpoint_renames([stored], config)
+        assert checkpoint_namer(renames)(f"{expert}.{ours}") == f"model.layers.0.{theirs}"
+        state = moe_checkpoint_tensors({stored: torch.zeros(1)}, config, renames)
+        assert list(state) == [f"{expert}.{ours}.qweight"]
+    assert checkpoint_renames(["model.layers.0.mlp.gate_proj.weight"], qwen) == []
 
 
 def test_routers_are_found():

@@ -17,7 +17,7 @@ from safetensors import safe_open
 
 from qserve.model.config import ModelConfig
 from qserve.model.loader import load_model
-from qserve.model.moe import SparseMoeBlock, checkpoint_namer, is_router
+from qserve.model.moe import SparseMoeBlock, checkpoint_namer, checkpoint_renames, is_router
 from qserve.model.quant import QuantLinear
 from qserve.quantize.driver import quantize_model
 from qserve.quantize.settings import QuantizeSettings
@@ -95,9 +95,10 @@ def check_experts_quantized(model: torch.nn.Module, folder: Path) -> None:
 def moe_fake_quant_inputs(model: torch.nn.Module, folder: Path) -> None:
     """`fake_quant_inputs` for MoE models: the scheme asked under checkpoint names, routers
     left alone, and each expert's gate/up called one by one (the hooks fire on the modules)."""
-    scheme = ModelConfig.from_pretrained(folder).quantization
+    config = ModelConfig.from_pretrained(folder)
+    scheme = config.quantization
     with safe_open(str(folder / "model.safetensors"), "pt") as f:
-        name_in_checkpoint = checkpoint_namer(f.keys())
+        name_in_checkpoint = checkpoint_namer(checkpoint_renames(f.keys(), config))
         tensors = {k: f.get_tensor(k) for k in f.keys() if k.endswith("input_scale")}
     for name, module in model.named_modules():
         if not isinstance(module, torch.nn.Linear) or is_router(model, name):

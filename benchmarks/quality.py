@@ -59,7 +59,7 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
 
 from qserve.config import EngineConfig  # noqa: E402
 from qserve.engine.llm_engine import LLMEngine  # noqa: E402
-from qserve.eval import load_eval_text, perplexity  # noqa: E402
+from qserve.eval import load_eval_text, perplexity, text_prefix  # noqa: E402
 from qserve.model.resolve import resolve_model  # noqa: E402
 
 DEFAULT_OUTPUT = Path(__file__).resolve().parent / "results" / "quality.json"
@@ -305,7 +305,8 @@ def evaluate(
     folder: Path, method: Method, ids: list[int], tmp: Path, args: argparse.Namespace
 ) -> Row:
     engine, path, note = load_engine(folder, method, tmp, args)
-    result = perplexity(engine, ids, args.seq_len, args.max_tokens or None)
+    prefix = text_prefix(engine.tokenizer)  # each window starts as a text does (Gemma: <bos>)
+    result = perplexity(engine, ids, args.seq_len, args.max_tokens or None, prefix)
     scheme = engine.load_report.scheme
     del engine
     gc.collect()
@@ -342,10 +343,12 @@ def run_method(
 
 
 def eval_tokens(model: Path) -> list[int]:
-    """Chapters 1-10, tokenized once with the model's tokenizer: the same ids for every row."""
+    """Chapters 1-10, tokenized once with the model's tokenizer: the same ids for every row
+    (without special tokens: `perplexity` starts each window with the tokenizer's prefix)."""
     from qserve.model.loader import load_tokenizer
 
-    return load_tokenizer(model).encode(load_eval_text("moby-dick-eval"))
+    text = load_eval_text("moby-dick-eval")
+    return load_tokenizer(model).encode(text, add_special_tokens=False)
 
 
 def installed(name: str) -> bool:

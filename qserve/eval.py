@@ -1,33 +1,36 @@
-"""Perplexity through the engine's own model and paged KV cache.
+"""Perplexity through the engine: each window is a request asking for its prompt logprobs.
 
-The tokens are cut into non-overlapping windows of `seq_len` (a last partial window is dropped),
-so every model and method is scored on exactly the same tokens. Each window runs as one flat
-one-sequence batch built by the engine's `ModelRunner.prepare_inputs`, over blocks that the
-engine's KV cache manager hands to a throwaway request and takes back afterwards: K/V are written
-into (and read from) the engine's pages, so `--kv-cache-dtype fp8_e4m3` pages are what is
-measured. Within a window, position t predicts token t + 1: `seq_len - 1` scored tokens each.
+The tokens are cut into non-overlapping windows (a last partial window is dropped), so every
+model and method is scored on exactly the same tokens. A window starts the way the tokenizer
+starts a text (`prefix`: Gemma's <bos>; nothing for SmolLM2), and holds `seq_len - len(prefix)`
+text tokens. The windows go through the normal engine path (`LLMEngine.add_request` with
+`SamplingParams(prompt_logprobs=0, max_tokens=1)`, then `step()`): the scheduler batches them
+under its token budget, chunks long ones, preempts when the KV cache is short, and the model
+runner scores each chunk's positions as it runs them. K/V are written into (and read from) the
+engine's pages, so `--kv-cache-dtype fp8_e4m3` pages are what is measured. Every text token of
+a window is scored except, without a prefix, its first:
 
-    perplexity = exp( sum over windows and t of -log p(x[t+1] | x[..t]) / num_tokens )
+    perplexity = exp( sum over windows and scored tokens of -log p(x[t] | x[..t-1]) / num_tokens )
 """
 
 from __future__ import annotations
 
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from qserve.data import EVAL_CHAPTERS, moby_dick
+from qserve.engine.sampling_params import RequestOutputKind, SamplingParams
 from qserve.errors import QServeError, read_user_text
 
 if TYPE_CHECKING:
     from qserve.engine.llm_engine import LLMEngine
+    from qserve.engine.sampler import Logprobs
 
 BUILTIN_EVAL_DATA = "moby-dick-eval"  # Moby-Dick chapters 1-10, bundled in qserve/data
-LOGITS_CHUNK = 128  # rows of [chunk, vocab] fp32 logits at a time, to bound memory
 
 
 @dataclass(frozen=True)
@@ -95,17 +98,18 @@ def perplexity(
     token_ids: list[int],
     seq_len: int = 512,
     max_tokens: int | None = None,
+    prefix: Sequence[int] = (),
 ) -> EvalResult:
-    """Perplexity of `engine`'s model over `token_ids` in non-overlapping `seq_len` windows.
-
-    Call it while no `engine.step()` runs concurrently; other requests may hold blocks."""
-    chunks = windows(token_ids, seq_len, max_tokens)
+    """Perplexity of `engine`'s model over `token_ids` in non-overlapping windows of `seq_len`
+    tokens, each `prefix` + text tokens. Runs `engine.step()` until its windows are done
+    (requests already in the engine run along)."""
+    chunks = windows(token_ids, seq_len - len(prefix), max_tokens)
     _check_fits(engine, seq_len)
     start = time.monotonic()
-    nll, count = 0.0, 0
-    for window in chunks:
-        window_nll, window_count = window_nll_sum(engine, window)
-        nll, count = nll + window_nll, count + window_count
+    outputs = score_prompts(engine, [[*prefix, *chunk] for chunk in chunks])
+    first = max(len(prefix), 1)  # the first scored position
+    nll = -sum(e.logprob for out in outputs for e in out[first:])  # type: ignore[union-attr]
+    count = sum(len(out) - first for out in outputs)
     return EvalResult(math.exp(nll / count), count, len(chunks), time.monotonic() - start)
 
 
@@ -118,17 +122,41 @@ def _check_fits(engine: LLMEngine, seq_len: int) -> None:
         )
 
 
-@torch.inference_mode()
-def window_nll_sum(engine: LLMEngine, window: list[int]) -> tuple[float, int]:
-    """(sum of -log p(next token), number of scored tokens) for one window from position 0."""
-    _check_ids(window, engine.model_config.vocab_size)
-    request, block_ids = _allocate(engine, window)
+def score_prompts(engine: LLMEngine, prompts: list[list[int]]) -> list[list[Logprobs | None]]:
+    """The prompt logprobs of each prompt (the first entry None), through the engine."""
+    for prompt in prompts:
+        _check_ids(prompt, engine.model_config.vocab_size)
+    params = SamplingParams(
+        max_tokens=1, temperature=0, prompt_logprobs=0, output_kind=RequestOutputKind.FINAL_ONLY
+    )
+    tag = f"eval-{time.monotonic_ns()}"
+    ids = [f"{tag}-{i}" for i in range(len(prompts))]
+    for request_id, prompt in zip(ids, prompts):
+        engine.add_request(request_id, prompt, params)
     try:
-        hidden = _forward(engine, request, block_ids)  # [seq_len, hidden]
+        done = _run(engine, set(ids))
     finally:
-        engine.scheduler.kv_cache_manager.forget(request)
-    targets = torch.tensor(window[1:], dtype=torch.int64, device=hidden.device)
-    return _nll_sum(engine.model_runner.model, hidden[:-1], targets), len(window) - 1
+        engine.abort_request(ids)
+    return [done[i] for i in ids]
+
+
+def _run(engine: LLMEngine, waiting_for: set[str]) -> dict[str, list[Logprobs | None]]:
+    """Step the engine until the `waiting_for` requests are done; their prompt logprobs."""
+    done: dict[str, list[Logprobs | None]] = {}
+    while len(done) < len(waiting_for):
+        outputs = engine.step()
+        if not outputs and not engine.scheduler.running:
+            kv = engine.scheduler.kv_cache_manager
+            raise QServeError(
+                f"the KV cache has {kv.block_pool.get_num_free_blocks()} free blocks of "
+                f"{kv.block_size} tokens, too few for one window; raise --kv-cache-memory or "
+                "lower --seq-len"
+            )
+        for output in outputs:
+            if output.request_id in waiting_for and output.finished:
+                assert output.prompt_logprobs is not None
+                done[output.request_id] = output.prompt_logprobs
+    return done
 
 
 def _check_ids(window: list[int], vocab: int) -> None:
@@ -136,47 +164,21 @@ def _check_ids(window: list[int], vocab: int) -> None:
         raise QServeError(f"token ids must be in [0, {vocab})", param="data")
 
 
-def _allocate(engine: LLMEngine, window: list[int]) -> tuple[Any, list[int]]:
-    """A throwaway request holding blocks for the whole window (freed by the caller)."""
-    from qserve.engine.request import Request
-    from qserve.engine.sampling_params import SamplingParams
-
-    kv = engine.scheduler.kv_cache_manager
-    request = Request(f"eval-{time.monotonic_ns()}", window, SamplingParams(max_tokens=1))
-    if kv.allocate_slots(request, len(window)) is None:
-        kv.forget(request)
-        raise QServeError(
-            f"the KV cache has {kv.block_pool.get_num_free_blocks()} free blocks of "
-            f"{kv.block_size} tokens, too few for one window of {len(window)} tokens; "
-            "raise --kv-cache-memory or lower --seq-len"
-        )
-    return request, kv.get_block_ids(request.request_id)
-
-
-def _forward(engine: LLMEngine, request: Any, block_ids: list[int]) -> torch.Tensor:
-    """The model over the whole window as one prefill of a one-sequence flat batch."""
-    from qserve.engine.scheduler import ScheduledRequest
-
-    runner = engine.model_runner
-    scheduled = ScheduledRequest(request, 0, request.num_tokens, block_ids)
-    batch = runner.prepare_inputs([scheduled])
-    return runner.model(batch.input_ids, batch.positions, runner.kv_caches, batch.attn_metadata)
-
-
-def _nll_sum(model: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor) -> float:
-    """sum of -log_softmax(logits)[target] in fp32, LOGITS_CHUNK rows of logits at a time."""
-    total = torch.zeros((), dtype=torch.float64)
-    for a in range(0, hidden.shape[0], LOGITS_CHUNK):
-        logits = model.compute_logits(hidden[a : a + LOGITS_CHUNK]).float()  # [chunk, vocab]
-        nll = torch.nn.functional.cross_entropy(
-            logits, targets[a : a + LOGITS_CHUNK], reduction="sum"
-        )
-        total += nll.double().cpu()
-    return float(total)
-
-
 def evaluate_text(
     engine: LLMEngine, text: str, seq_len: int = 512, max_tokens: int | None = None
 ) -> EvalResult:
-    """Tokenize `text` with the engine's tokenizer and score it (see `perplexity`)."""
-    return perplexity(engine, engine.tokenize(text), seq_len, max_tokens)
+    """Tokenize `text` with the engine's tokenizer and score it (see `perplexity`); each window
+    starts with what the tokenizer puts before a text (its <bos>, if it adds one)."""
+    prefix = text_prefix(engine.tokenizer)
+    ids = engine.tokenizer.encode(text, add_special_tokens=False)
+    return perplexity(engine, ids, seq_len, max_tokens, prefix)
+
+
+def text_prefix(tokenizer: Any) -> list[int]:
+    """The special tokens the tokenizer puts before a text (e.g. [<bos>]; [] for most)."""
+    with_special = tokenizer.encode("a", add_special_tokens=True)
+    without = tokenizer.encode("a", add_special_tokens=False)
+    cut = len(with_special) - len(without)
+    if cut < 0 or with_special[cut:] != without:
+        return []
+    return with_special[:cut]

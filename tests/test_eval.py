@@ -76,6 +76,47 @@ def test_equals_transformers(model_dir: Path, token_ids: list[int]) -> None:
     assert pool.get_num_free_blocks() == pool.num_blocks  # the throwaway request's blocks are back
 
 
+# The perplexity `qserve eval` gave on these windows before it ran through prompt logprobs (its
+# own path around the scheduler, commit cba6b1f): the rebuild must not move it.
+BEFORE_REBUILD = 2114.3134340641477
+
+
+def test_unchanged_by_the_rebuild(model_dir: Path, token_ids: list[int]) -> None:
+    result = perplexity(make_engine(model_dir), token_ids, SEQ_LEN, MAX_TOKENS)
+    assert result.perplexity == pytest.approx(BEFORE_REBUILD, rel=1e-6)
+
+
+def test_windows_are_batched_chunked_and_preempted(model_dir: Path, token_ids: list[int]) -> None:
+    """The windows go through the scheduler beside a generation that grows (10 KV blocks of 16
+    tokens, 8 KiB each here): a small token budget chunks them, and the older generation
+    preempts them when it needs a block; the perplexity is the same."""
+    engine = make_engine(model_dir, max_num_batched_tokens=40, kv_cache_memory=10 * 8192)
+    grow = SamplingParams(max_tokens=60, ignore_eos=True, temperature=0)
+    engine.add_request("background", token_ids[:96], grow)  # 6 blocks, growing to 10
+    result = perplexity(engine, token_ids, SEQ_LEN, MAX_TOKENS)
+    assert engine.scheduler.num_preemptions > 0
+    assert result.perplexity == pytest.approx(BEFORE_REBUILD, rel=1e-5)
+
+
+def test_a_prefix_starts_every_window(model_dir: Path, token_ids: list[int]) -> None:
+    """With a prefix (a tokenizer's <bos>), each window is prefix + seq_len - 1 text tokens and
+    every text token is scored."""
+    engine = make_engine(model_dir)
+    result = perplexity(engine, token_ids, SEQ_LEN, MAX_TOKENS, prefix=[0])
+    chunks = windows(token_ids, SEQ_LEN - 1, MAX_TOKENS)
+    assert (result.num_windows, result.num_tokens) == (len(chunks), len(chunks) * (SEQ_LEN - 1))
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    total = 0.0
+    with torch.inference_mode():
+        for chunk in chunks:
+            ids = torch.tensor([[0, *chunk]])
+            logits = model(ids).logits[0, :-1]
+            total += torch.nn.functional.cross_entropy(logits, ids[0, 1:], reduction="sum").item()
+    assert result.perplexity == pytest.approx(math.exp(total / result.num_tokens), rel=1e-4)
+
+
 def test_fp8_pages_close_to_fp32_pages(model_dir: Path, token_ids: list[int]) -> None:
     fp32 = perplexity(make_engine(model_dir), token_ids, SEQ_LEN, MAX_TOKENS)
     fp8 = perplexity(make_engine(model_dir, kv_cache_dtype="fp8_e4m3"), token_ids, SEQ_LEN, 300)

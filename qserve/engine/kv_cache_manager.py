@@ -68,8 +68,10 @@ class KVCacheManager:
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """The longest cached prefix of the request's full blocks, and its length in tokens.
 
-        At least one token is always left to compute, so the request produces logits."""
-        if not self.enable_caching:
+        At least one token is always left to compute, so the request produces logits. A request
+        that asks for prompt logprobs gets no hits (as in vLLM): cached positions have no logits
+        to score the prompt with; its blocks are still cached for others."""
+        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
             return [], 0
         hits: list[KVCacheBlock] = []
         for i, block_hash in enumerate(self.block_hashes(request)):

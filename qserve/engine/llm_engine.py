@@ -56,6 +56,7 @@ class RequestState:
     finished_samples: set[int] = field(default_factory=set)
     # each sample's last output with empty deltas; a step rebuilds only the samples it advanced
     idle_outputs: list[CompletionOutput] | None = None
+    sent_prompt_logprobs: bool = False
 
     @property
     def finished(self) -> bool:
@@ -259,14 +260,16 @@ class LLMEngine:
         if out.is_empty:
             return []
         try:
-            sampled = self.model_runner.execute_model(out)
+            result = self.model_runner.execute_model(out)
         except BaseException:
             # Blocks cached for this step were never written: no later prompt may hit them.
             self.scheduler.kv_cache_manager.uncache_step()
             raise
-        token_ids = {req_id: s.token_id for req_id, s in sampled.items()}
+        for request_id, entries in result.prompt_logprobs.items():
+            self.scheduler.requests[request_id].add_prompt_logprobs(entries)
+        token_ids = {req_id: s.token_id for req_id, s in result.sampled.items()}
         updated = self.scheduler.update_from_output(out, token_ids)
-        return self._process_outputs(updated, sampled)
+        return self._process_outputs(updated, result.sampled)
 
     def _process_outputs(
         self, updated: list[Request], sampled: dict[str, SampledToken]
@@ -320,10 +323,16 @@ class LLMEngine:
             for sample in advanced:
                 outputs[sample.index] = self._completion(sample, delta)
                 state.idle_outputs[sample.index] = sample.unchanged or outputs[sample.index]
+        # complete once any token is out; a DELTA request sends it in its first output only
+        prompt_logprobs = state.samples[0].request.prompt_logprobs
+        if delta and state.sent_prompt_logprobs:
+            prompt_logprobs = None
+        state.sent_prompt_logprobs = True
         return RequestOutput(
             request_id=state.request_id,
             prompt=state.prompt,
             prompt_token_ids=state.prompt_token_ids,
+            prompt_logprobs=prompt_logprobs,
             outputs=outputs,
             finished=state.finished,
             metrics=replace(state.metrics),  # a snapshot: the engine keeps updating its own

@@ -7,6 +7,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
+from qserve.engine.prompt_logprobs import PromptSpan, compute_prompt_logprobs, prompt_spans
 from qserve.engine.sampler import Logprobs, Sampler, SamplingMetadata
 from qserve.engine.scheduler import ScheduledRequest, SchedulerOutput
 from qserve.model.attention import AttentionMetadata, make_kv_cache
@@ -54,12 +55,19 @@ class ModelInput:
     attn_metadata: AttentionMetadata
     logits_indices: torch.Tensor  # int64 [num_sampling_rows]: last token of each sampling request
     sampling_rows: list[ScheduledRequest]
+    prompt_spans: list[PromptSpan]  # prompt tokens this step scores (prompt logprobs)
 
 
 @dataclass
 class SampledToken:
     token_id: int
     logprobs: Logprobs | None
+
+
+@dataclass
+class ModelRunnerOutput:
+    sampled: dict[str, SampledToken]  # request id -> its token, for requests that sampled
+    prompt_logprobs: dict[str, list[Logprobs]]  # request id -> this step's prompt entries
 
 
 class ModelRunner:
@@ -84,14 +92,16 @@ class ModelRunner:
         self.sampler = Sampler()
 
     @torch.inference_mode()
-    def execute_model(self, out: SchedulerOutput) -> dict[str, SampledToken]:
-        """Run one step; returns a token for each request that reached its last known token."""
+    def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step: a token for each request that reached its last known token, and the
+        prompt logprobs of the prompt positions it ran for requests that ask for them."""
         batch = self.prepare_inputs(out.scheduled)
         hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attn_metadata)
+        prompt_logprobs = compute_prompt_logprobs(self.model, hidden, batch.prompt_spans)
         if not batch.sampling_rows:
-            return {}
+            return ModelRunnerOutput({}, prompt_logprobs)
         logits = self.model.compute_logits(hidden[batch.logits_indices])
-        return self.sample(logits, batch.sampling_rows)
+        return ModelRunnerOutput(self.sample(logits, batch.sampling_rows), prompt_logprobs)
 
     def prepare_inputs(self, scheduled: list[ScheduledRequest]) -> ModelInput:
         bs = self.kv_spec.block_size
@@ -124,6 +134,7 @@ class ModelRunner:
             attn_metadata=md,
             logits_indices=(query_start_loc[1:][rows] - 1).to(torch.int64).to(self.device),
             sampling_rows=[scheduled[i] for i in rows],
+            prompt_spans=prompt_spans(scheduled, query_start_loc[:-1].tolist()),
         )
 
     @staticmethod

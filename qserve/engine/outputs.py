@@ -41,6 +41,9 @@ class RequestOutput:
     metrics: RequestMetrics
     # DELTA outputs: each CompletionOutput's text, token_ids and logprobs are only what is new
     delta: bool = False
+    # one entry per prompt token, the first None (SamplingParams.prompt_logprobs); a DELTA
+    # request has it in its first output only
+    prompt_logprobs: list[Logprobs | None] | None = None
 
 
 def coalesce(older: RequestOutput, newer: RequestOutput) -> RequestOutput:
@@ -48,6 +51,8 @@ def coalesce(older: RequestOutput, newer: RequestOutput) -> RequestOutput:
     deltas in front of its own (for DELTA outputs, its text, token ids and logprobs too). A
     reader that fell behind gets this instead of a backlog, so a stream buffers at most one
     output however slowly its client reads."""
+    if newer.prompt_logprobs is None and older.prompt_logprobs is not None:
+        newer = replace(newer, prompt_logprobs=older.prompt_logprobs)
     deltas = {c.index: c for c in older.outputs}
     outputs = []
     for c in newer.outputs:
@@ -80,8 +85,11 @@ class OutputAccumulator:
         self._token_ids: dict[int, list[int]] = {}
         self._logprobs: dict[int, list[Logprobs] | None] = {}
         self._last: RequestOutput | None = None
+        self._prompt_logprobs: list[Logprobs | None] | None = None
 
     def add(self, output: RequestOutput) -> None:
+        if output.prompt_logprobs is not None:
+            self._prompt_logprobs = output.prompt_logprobs
         for c in output.outputs:
             self._texts.setdefault(c.index, []).append(c.text)
             self._token_ids.setdefault(c.index, []).extend(c.token_ids)
@@ -103,4 +111,4 @@ class OutputAccumulator:
             )
             for c in last.outputs
         ]
-        return replace(last, outputs=outputs, delta=False)
+        return replace(last, outputs=outputs, delta=False, prompt_logprobs=self._prompt_logprobs)

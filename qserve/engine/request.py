@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
+    from qserve.engine.sampler import Logprobs
     from qserve.engine.sampling_params import SamplingParams
 
 
@@ -71,11 +72,24 @@ class Request:
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0
+        # prompt logprobs so far, one per prompt token (the first None), when asked for
+        self.prompt_logprobs: list[Logprobs | None] | None = (
+            [None] if sampling_params.prompt_logprobs is not None else None
+        )
 
     @property
     def cache_salt_key(self) -> bytes:
         """The salt as it enters the first block's key (empty: shares with unsalted prompts)."""
         return b"salt:" + self.cache_salt.encode() if self.cache_salt else b""
+
+    @property
+    def num_prompt_logprobs(self) -> int:
+        """Prompt tokens whose logprobs are known (the first counts; 0 when none are asked)."""
+        return len(self.prompt_logprobs) if self.prompt_logprobs is not None else 0
+
+    def add_prompt_logprobs(self, entries: list[Logprobs]) -> None:
+        assert self.prompt_logprobs is not None
+        self.prompt_logprobs.extend(entries)
 
     @property
     def num_tokens(self) -> int:

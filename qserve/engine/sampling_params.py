@@ -34,7 +34,9 @@ class SamplingParams:
 
     Checked once when built; use `dataclasses.replace` to derive a changed copy (it checks again).
     `top_k` 0 or -1 means off; `max_tokens=None` means up to the context limit; `logprobs` is the
-    number of top logprobs returned besides the sampled token's own (0..20, None = no logprobs).
+    number of top logprobs returned besides the sampled token's own (0..20, None = no logprobs);
+    `prompt_logprobs` the same for each prompt token after the first (vLLM's: the token's logprob
+    given the tokens before it, in `RequestOutput.prompt_logprobs`; the first entry is None).
     """
 
     n: int = 1
@@ -52,6 +54,7 @@ class SamplingParams:
     max_tokens: int | None = 16
     min_tokens: int = 0
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
@@ -83,8 +86,9 @@ class SamplingParams:
                     f"got {self.min_tokens}",
                     param="min_tokens",
                 )
-        if self.logprobs is not None:
-            _check_int("logprobs", self.logprobs, low=0, high=MAX_LOGPROBS)
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None:
+                _check_int(name, getattr(self, name), low=0, high=MAX_LOGPROBS)
         if self.seed is not None:
             _check_int("seed", self.seed, low=-(2**63), high=2**64 - 1)
 
@@ -121,7 +125,9 @@ class SamplingParams:
         if not 0 <= index < self.n:
             raise ValueError(f"child index {index} out of range for n={self.n}")
         seed = None if self.seed is None else (self.seed + index) % 2**64  # stays in range
-        return replace(self, n=1, seed=seed)
+        # the prompt is scored once, by child 0: the others may read it from the prefix cache
+        prompt_logprobs = self.prompt_logprobs if index == 0 else None
+        return replace(self, n=1, seed=seed, prompt_logprobs=prompt_logprobs)
 
 
 def _normalize_stop(stop: str | list[str] | None) -> list[str]:

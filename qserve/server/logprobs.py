@@ -19,6 +19,7 @@ from qserve.server.responses import (
     ChatCompletionLogProbs,
     ChatCompletionLogProbsContent,
     CompletionLogProbs,
+    PromptLogprob,
 )
 
 TokenText = Callable[[int], str]
@@ -85,6 +86,57 @@ def completion_logprobs(
         text_offset=offsets,
     )
     return logprobs, text_offset
+
+
+def echo_logprobs(
+    prompt_ids: list[int], entries: list[Logprobs | None], num_top: int, text: TokenText
+) -> tuple[CompletionLogProbs, int]:
+    """The legacy columns of an echoed prompt (`entries`: its prompt logprobs, the first None),
+    offsets from 0, and the offset after it. The first token's logprob and top are null."""
+    first = text(prompt_ids[0])
+    rest, offset = completion_logprobs(
+        [e for e in entries[1:] if e is not None], num_top, len(first), text
+    )
+    assert rest is not None
+    columns = CompletionLogProbs(
+        tokens=[first, *rest.tokens],
+        token_logprobs=[None, *rest.token_logprobs],
+        top_logprobs=[None, *rest.top_logprobs],
+        text_offset=[0, *rest.text_offset],
+    )
+    return columns, offset
+
+
+def joined(a: CompletionLogProbs | None, b: CompletionLogProbs | None) -> CompletionLogProbs | None:
+    """The rows of `a`, then those of `b` (either may be None)."""
+    if a is None or b is None:
+        return a or b
+    return CompletionLogProbs(
+        tokens=a.tokens + b.tokens,
+        token_logprobs=a.token_logprobs + b.token_logprobs,
+        top_logprobs=a.top_logprobs + b.top_logprobs,
+        text_offset=a.text_offset + b.text_offset,
+    )
+
+
+def prompt_logprobs_field(
+    entries: list[Logprobs | None], num_top: int, text: TokenText
+) -> list[dict[str, PromptLogprob] | None]:
+    """vLLM's `prompt_logprobs` of a completion choice: per prompt token (the first None), the
+    token's own entry and the `num_top` most likely, keyed by token id."""
+    out: list[dict[str, PromptLogprob] | None] = []
+    for entry in entries:
+        if entry is None:
+            out.append(None)
+            continue
+        top = zip(entry.top_token_ids[:num_top], entry.top_logprobs[:num_top])
+        row = {str(t): PromptLogprob(logprob=lp, rank=r, decoded_token=text(t))
+               for r, (t, lp) in enumerate(top, start=1)}  # fmt: skip
+        own = str(entry.sampled_token_id)
+        row.setdefault(own, PromptLogprob(logprob=entry.logprob, rank=entry.rank,
+                                          decoded_token=text(entry.sampled_token_id)))  # fmt: skip
+        out.append(row)
+    return out
 
 
 def _top_dict(row: ChatCompletionLogProbsContent) -> dict[str, float]:

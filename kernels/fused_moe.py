@@ -2,6 +2,8 @@
 
 NOT RUN ON A GPU YET: tested under the Triton interpreter (the fp32 dot path) against
 `fused_moe_ref`, and its CUDA variants only compiled for sm_90 (tests/kernels/test_cuda_compile).
+The model's MoE blocks on CUDA call it through `ops.fused_experts` (`qserve.model.moe_fused`;
+tests/kernels/test_moe_fused.py checks the tiny MoE models' logits against the per-expert path).
 
 The token-expert pairs (p = t * top_k + j) are sorted by expert and each expert's run padded to a
 multiple of BLOCK_M (`fused_moe_ref.moe_align_block_size`), so a BLOCK_M tile of the sorted list

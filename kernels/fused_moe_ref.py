@@ -12,7 +12,8 @@ Weights, W[e] [N, K] in nn.Linear layout once dequantized:
     dense  weight [E, N, K] in x's dtype
     gptq   qweight int32 [E, K/P, N], qzeros int32 [E, G, N/P], scales [E, G, N],
            g_idx int32 [E, K] (act-order) or None (consecutive groups), bits 4 or 8
-           (each expert in the GPTQ v1 layout of `packing`, dequantized by `dequantize_gptq`)
+           (each expert in the GPTQ v1 layout of `packing`, dequantized by `dequantize_gptq`
+           with fp32 scales: W exact in fp32, as the kernel and the model's GPTQ layers have it)
     w8     weight int8 or float8_e4m3fn [E, N, K], scales fp32 [E, N] (per channel) or [E]
            (one per expert); weight-only: W[e][n, k] = weight[e, n, k] * scales[e, n]
 
@@ -107,8 +108,8 @@ def dequantize_expert(weight: MoEWeight, e: int) -> torch.Tensor:
         scales = weight.scales.to(torch.float32).reshape(weight.num_experts, -1)[e]
         return weight.weight[e].to(torch.float32) * scales.reshape(-1, 1)
     g_idx = None if weight.g_idx is None else weight.g_idx[e]
-    w = dequantize_gptq(weight.weight[e], weight.qzeros[e], weight.scales[e], g_idx, weight.bits)
-    return w.to(torch.float32)
+    scales = weight.scales[e].to(torch.float32)  # exact: not rounded to the scales' dtype
+    return dequantize_gptq(weight.weight[e], weight.qzeros[e], scales, g_idx, weight.bits)
 
 
 def moe_align_block_size(

@@ -284,6 +284,17 @@ def w8a8_fp8_linear(
 # ------------------------------------------------------------------------ mixture of experts
 
 
+# Tests monkeypatch this to run the Triton kernel on CPU tensors (under the interpreter), as
+# `quant_linear._on_triton` does for the linears; CUDA tensors take it anyway.
+def _fused_moe_on_triton(t: torch.Tensor) -> bool:
+    return use_triton(t)
+
+
+def fused_experts_path(t: torch.Tensor) -> str:
+    """What `fused_experts` runs for activations like `t`: "triton" or "torch"."""
+    return "triton" if _fused_moe_on_triton(t) else "torch"
+
+
 def fused_experts(
     x: torch.Tensor,
     w13: MoEWeight,
@@ -293,7 +304,10 @@ def fused_experts(
 ) -> torch.Tensor:
     """SwiGLU experts over stacked (dense, GPTQ or W8) weights: x [T, H] -> sum_k topk_weights
     * down[e](silu(gate[e](x)) * up[e](x)) (see fused_moe_ref). The Triton grouped GEMM on CUDA
-    (not yet run on a GPU), the torch reference elsewhere."""
-    return _pick(x, fused_experts_ref, "fused_moe.fused_experts")(
-        x, w13, w2, topk_weights, topk_ids
-    )
+    (not yet run on a GPU), the torch reference elsewhere. The model's fused MoE blocks call
+    this (`qserve.model.moe_fused`)."""
+    if _fused_moe_on_triton(x):
+        from qserve.kernels.fused_moe import fused_experts as launcher
+
+        return launcher(x, w13, w2, topk_weights, topk_ids)
+    return fused_experts_ref(x, w13, w2, topk_weights, topk_ids)

@@ -28,6 +28,7 @@ from qserve.model.moe import (
     is_router,
     moe_checkpoint_tensors,
 )
+from qserve.model.moe_fused import prepare_moe_blocks
 from qserve.model.quant import keeps_stored_dtype, prepare_quant_linears, swap_quant_linears
 from qserve.model.rotary import RotaryEmbedding
 from qserve.quantize.export import PROVENANCE_FILE
@@ -44,8 +45,9 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 @dataclass(frozen=True)
 class LoadReport:
     """What loading chose: the quantization scheme, the kernel path of each kind of linear
-    (q_proj, ..., lm_head), the projections merged into one matmul (qkv_proj, gate_up_proj:
-    `qserve.model.merge`) and how many attention layers got FP8 KV scales from the checkpoint."""
+    (q_proj, ..., lm_head; `experts`: how MoE experts run, `moe_fused`), the projections merged
+    into one matmul (qkv_proj, gate_up_proj: `qserve.model.merge`) and how many attention
+    layers got FP8 KV scales from the checkpoint."""
 
     scheme: str  # "dense" or QuantScheme.describe()
     linear_paths: dict[str, str]
@@ -84,7 +86,9 @@ def load_model(
         if isinstance(module, RotaryEmbedding):
             module.init_cache(device)
     _check_materialized(model)
-    linear_paths = prepare_quant_linears(model, dtype)
+    del stored, state  # the model holds the tensors: stacking MoE experts frees theirs per layer
+    moe_paths = prepare_moe_blocks(model)  # stacks checkpoint tensors: before their prepare
+    linear_paths = {**prepare_quant_linears(model, dtype), **moe_paths}
     model.load_report = LoadReport(
         scheme=config.quantization.describe() if config.quantization else "dense",
         linear_paths=linear_paths,

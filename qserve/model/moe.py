@@ -12,6 +12,9 @@ holds the experts and `SparseMoeBlock` is the layer's MLP. Each expert keeps its
 as modules named as the checkpoint names them (`experts.N.w1` / `gate_proj`, ...:
 `ModelConfig.expert_names`), so a quantized linear can be swapped in per expert by name, and
 gate/up merge into one matmul per expert where their kernel path allows (`qserve.model.merge`).
+On CUDA, a block whose experts' formats the Triton grouped GEMM takes has them stacked once
+after loading and runs `ops.fused_experts` instead (`qserve.model.moe_fused`: its
+`StackedExperts` replaces `FusedMoE`); on CPU the experts run grouped by expert as above.
 
 Checkpoints: per-expert tensors as on the Hub and as transformers' `save_pretrained` writes
 them load as they are; Mixtral's `block_sparse_moe.` prefix is read as `mlp.` (transformers 5's
@@ -172,7 +175,10 @@ class SparseMoeBlock(nn.Module):
         return self.experts(x, topk_weights, topk_ids)
 
     def merge(self) -> bool:
-        """Fuse each expert's gate/up where the kernel paths allow; True if all merged."""
+        """Fuse each expert's gate/up where the kernel paths allow; True if all merged (experts
+        stacked for the fused kernel, `moe_fused`, have gate and up in one GEMM already)."""
+        if not isinstance(self.experts, FusedMoE):
+            return True
         return all([expert.merge() for expert in self.experts])
 
 

@@ -84,8 +84,8 @@ def _naive_align(topk_ids: torch.Tensor, block: int) -> tuple[list[int], list[in
 
 
 def _naive_weight(weight: MoEWeight, e: int) -> torch.Tensor:
-    """W[e] [N, K] in fp64, from the unpacked codes (GPTQ: rounded to the scales' dtype, as
-    `packing.dequantize_gptq` gives it)."""
+    """W[e] [N, K] in fp64, from the unpacked codes (GPTQ: exact, not rounded to the scales'
+    dtype)."""
     if weight.kind == "dense":
         return weight.weight[e].double()
     if weight.kind == "w8":
@@ -98,7 +98,7 @@ def _naive_weight(weight: MoEWeight, e: int) -> torch.Tensor:
         g_idx = P.gptq_g_idx(K, P.gptq_group_size(K, z.shape[0]))
     g = g_idx.long()
     s = weight.scales[e]
-    return ((q - z[g]).double() * s[g].double()).to(s.dtype).double().t()
+    return ((q - z[g]).double() * s[g].double()).t()
 
 
 def _naive_linear(x, weight, topk_weights, topk_ids) -> torch.Tensor:

@@ -20,6 +20,7 @@ from qserve.engine.sampler import Logprobs, make_generator
 from qserve.engine.sampling_params import RequestOutputKind, SamplingParams
 from qserve.engine.scheduler import Scheduler, SchedulerConfig
 from qserve.engine.stats import EngineStats
+from qserve.engine.structured_outputs import StructuredOutputManager
 from qserve.errors import QServeError
 from qserve.kernels import ops
 from qserve.kernels.attention_ref import is_fp8
@@ -84,6 +85,7 @@ class LLMEngine:
             KVCacheManager(kv_spec.num_blocks, kv_spec.block_size, config.enable_prefix_caching),
         )
         self.model_runner = ModelRunner(model, self.model_config, kv_spec, config.device)
+        self._structured_outputs: StructuredOutputManager | None = None  # made on first use
         self.requests: dict[str, RequestState] = {}
         # scheduler request id -> (the user's request, that one of its n samples)
         self._samples: dict[str, tuple[RequestState, SampleState]] = {}
@@ -207,6 +209,14 @@ class LLMEngine:
         if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
             raise QServeError(f"prompt token ids must be in [0, {vocab})", param="prompt")
 
+    @property
+    def structured_outputs(self) -> StructuredOutputManager:
+        """The grammar compiler for this tokenizer (built on the first constrained request)."""
+        if self._structured_outputs is None:
+            vocab = self.model_config.vocab_size
+            self._structured_outputs = StructuredOutputManager(self.tokenizer, vocab)
+        return self._structured_outputs
+
     def _new_sample(
         self,
         request_id: str,
@@ -230,6 +240,8 @@ class LLMEngine:
             cache_salt,
             request_id if group is None else group,
         )
+        if child_params.structured_outputs is not None:
+            request.grammar = self.structured_outputs.matcher(child_params.structured_outputs)
         detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_ids, child_params)
         logprobs = [] if child_params.logprobs is not None else None
         return SampleState(index, request, detokenizer, logprobs)

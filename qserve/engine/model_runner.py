@@ -10,6 +10,7 @@ from torch import nn
 from qserve.engine.prompt_logprobs import PromptSpan, compute_prompt_logprobs, prompt_spans
 from qserve.engine.sampler import Logprobs, Sampler, SamplingMetadata
 from qserve.engine.scheduler import ScheduledRequest, SchedulerOutput
+from qserve.engine.structured_outputs import apply_grammar_bitmask
 from qserve.model.attention import AttentionMetadata, make_kv_cache
 from qserve.model.config import ModelConfig
 
@@ -148,6 +149,8 @@ class ModelRunner:
 
     def sample(self, logits: torch.Tensor, rows: list[ScheduledRequest]) -> dict[str, SampledToken]:
         requests = [s.request for s in rows]
+        logits = logits.float()
+        apply_grammar_bitmask(logits, requests)  # structured outputs: only what the grammar allows
         generators = {i: r.generator for i, r in enumerate(requests) if r.generator is not None}
         metadata = SamplingMetadata.from_requests(
             [r.sampling_params for r in requests],

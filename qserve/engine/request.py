@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
@@ -72,6 +72,8 @@ class Request:
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0
+        # the request's xgrammar GrammarMatcher (structured outputs), set by the engine
+        self.grammar: Any = None
         # prompt logprobs so far, one per prompt token (the first None), when asked for
         self.prompt_logprobs: list[Logprobs | None] | None = (
             [None] if sampling_params.prompt_logprobs is not None else None
@@ -110,6 +112,8 @@ class Request:
     def append_output_token_ids(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+        if self.grammar is not None and not self.grammar.is_terminated():
+            self.grammar.accept_token(token_id)
 
     def get_finished_reason(self) -> str | None:
         return RequestStatus.finish_reason(self.status)
@@ -124,6 +128,9 @@ class Request:
                 self.status = RequestStatus.FINISHED_STOPPED
                 self.stop_reason = None if last in self.eos_token_ids else last
                 return True
+        if self.grammar is not None and self.grammar.is_terminated():
+            self.status = RequestStatus.FINISHED_STOPPED  # the grammar is complete
+            return True
         max_tokens = params.max_tokens
         if (max_tokens is not None and self.num_output_tokens >= max_tokens) or (
             self.max_model_len is not None and self.num_tokens >= self.max_model_len

@@ -6,6 +6,7 @@ import enum
 import math
 from dataclasses import dataclass, field, replace
 
+from qserve.engine.structured_outputs import StructuredOutputsParams
 from qserve.errors import QServeError
 
 # Below this temperature a request is sampled greedily (vLLM's _SAMPLING_EPS).
@@ -55,6 +56,8 @@ class SamplingParams:
     min_tokens: int = 0
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    # a grammar the output must follow (JSON schema, regex, choice, EBNF): see structured_outputs
+    structured_outputs: StructuredOutputsParams | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE

@@ -13,6 +13,12 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from qserve.engine.sampling_params import RequestOutputKind, SamplingParams
 from qserve.errors import QServeError
+from qserve.server.request_fields import (
+    ResponseFormat,
+    StructuredOutputs,
+    check_extra_fields,
+    structured_params,
+)
 from qserve.server.responses import ErrorInfo, ErrorResponse, Json, dump
 
 # Most samples one request may ask for: n beyond this is surely a mistake, and costs memory.
@@ -84,11 +90,17 @@ class OpenAIModel(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
 
 
+class OpenAIRequest(OpenAIModel):
+    """A request body: unknown fields are kept (`model_extra`) to be refused or logged."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+
 class StreamOptions(OpenAIModel):
     include_usage: bool = False
 
 
-class SamplingRequest(OpenAIModel):
+class SamplingRequest(OpenAIRequest):
     """The fields /v1/completions and /v1/chat/completions share (vLLM's extras included)."""
 
     model: str | None = None
@@ -114,6 +126,8 @@ class SamplingRequest(OpenAIModel):
     user: str | None = None
     # vLLM's field: requests share prefix-cache blocks only with requests of the same salt
     cache_salt: Annotated[str, Field(min_length=1, max_length=256)] | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None  # vLLM's
 
     @property
     def include_usage(self) -> bool:
@@ -121,6 +135,7 @@ class SamplingRequest(OpenAIModel):
 
     def to_sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         self._check_unsupported()
+        check_extra_fields(self.model_extra)
         return SamplingParams(
             n=self.n,
             temperature=_or(self.temperature, 1.0),
@@ -139,6 +154,7 @@ class SamplingRequest(OpenAIModel):
             logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
+            structured_outputs=structured_params(self.response_format, self.structured_outputs),
             # the server streams what is new, and adds it up for a whole response
             output_kind=RequestOutputKind.DELTA,
         )

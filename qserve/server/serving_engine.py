@@ -63,6 +63,9 @@ class OpenAIServing:
         none unless the request is within the limits and its sequences fit the queue."""
         self.limits.check_request(len(prompts), params)
         self.engine.check_room(len(prompts) * params.n)
+        if params.structured_outputs is not None:  # compiled (and cached) off the engine thread
+            manager = self.engine.engine.structured_outputs
+            await asyncio.to_thread(manager.compile, params.structured_outputs)
         streams: list[RequestStream] = []
         try:
             for i, prompt in enumerate(prompts):

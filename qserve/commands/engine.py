@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import fields
+from pathlib import Path
 from typing import Any
 
 import click
@@ -203,9 +204,21 @@ def serve(
 @engine_options
 @click.option(
     "--data",
-    required=True,
-    help="A .txt file, a folder of .txt files (name order), or moby-dick-eval (chapters 1-10).",
+    default=None,
+    help="Perplexity data: a .txt file, a folder of .txt files (name order), or moby-dick-eval "
+    "(chapters 1-10).",
 )
+@click.option(
+    "--tasks",
+    default=None,
+    help="lm-eval tasks or groups, comma-separated, run on MODEL instead of --data "
+    "(pip install 'qserve[eval]').",
+)
+@click.option("--include-path", default=None, help="A folder of more lm-eval task YAMLs.")
+@click.option(
+    "--limit", default=None, type=click.IntRange(1), help="Only the first N documents per task."
+)
+@click.option("--num-fewshot", default=None, type=click.IntRange(0), help="Few-shot examples.")
 @click.option("--seq-len", default=512, show_default=True, type=click.IntRange(2))
 @click.option(
     "--max-tokens",
@@ -215,10 +228,44 @@ def serve(
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 def eval_command(
-    data: str, seq_len: int, max_tokens: int | None, as_json: bool, **engine_kw: Any
+    data: str | None,
+    tasks: str | None,
+    include_path: str | None,
+    limit: int | None,
+    num_fewshot: int | None,
+    seq_len: int,
+    max_tokens: int | None,
+    as_json: bool,
+    **engine_kw: Any,
 ) -> None:
     """Perplexity of MODEL (a folder, quantized checkpoint or alias) on --data, in
-    non-overlapping --seq-len windows, through the engine's paged KV cache."""
+    non-overlapping --seq-len windows, through the engine's paged KV cache; or lm-eval's
+    --tasks on MODEL, through the same engine (model "qserve", qserve.lm_eval_model)."""
+    if (data is None) == (tasks is None):
+        given = "both" if data is not None else "neither"
+        raise QServeError(f"give one of --data (perplexity) and --tasks (lm-eval), not {given}")
+    if tasks is not None:
+        _only_with("--tasks", "seq_len", "max_tokens")
+        _run_lm_eval_tasks(tasks, include_path, limit, num_fewshot, as_json, engine_kw)
+        return
+    _only_with("--data", "include_path", "limit", "num_fewshot")
+    _perplexity(data, seq_len, max_tokens, as_json, engine_kw)
+
+
+def _only_with(mode: str, *others: str) -> None:
+    """QServeError when the command line gave one of `others`, options that `mode` ignores."""
+    from click.core import ParameterSource
+
+    ctx = click.get_current_context()
+    for name in others:
+        if ctx.get_parameter_source(name) == ParameterSource.COMMANDLINE:
+            flag = "--" + name.replace("_", "-")
+            raise QServeError(f"{flag} does not apply with {mode}", param=name)
+
+
+def _perplexity(
+    data: str, seq_len: int, max_tokens: int | None, as_json: bool, engine_kw: dict[str, Any]
+) -> None:
     from qserve.engine.llm_engine import LLMEngine
     from qserve.eval import evaluate_text, load_eval_text
 
@@ -240,3 +287,50 @@ def eval_command(
         f"perplexity {result.perplexity:.4f}  tokens {result.num_tokens}  "
         f"windows {result.num_windows}  seconds {result.seconds:.2f}"
     )
+
+
+def _run_lm_eval_tasks(
+    tasks: str,
+    include_path: str | None,
+    limit: int | None,
+    num_fewshot: int | None,
+    as_json: bool,
+    engine_kw: dict[str, Any],
+) -> None:
+    """lm-eval's simple_evaluate on the tasks with model "qserve"; prints lm-eval's tables."""
+    try:
+        from lm_eval import evaluator, utils
+        from lm_eval.tasks import TaskManager
+    except ImportError as exc:
+        raise QServeError(
+            f"--tasks runs lm-eval, which is not installed ({exc.name} is missing): "
+            "pip install 'qserve[eval]'",
+            param="tasks",
+        ) from None
+    names = [name.strip() for name in tasks.split(",") if name.strip()]
+    if not names:
+        raise QServeError("--tasks names no task", param="tasks")
+    if include_path is not None and not Path(include_path).is_dir():
+        raise QServeError(f"--include-path {include_path} is not a folder", param="include_path")
+    manager = TaskManager(include_path=include_path)
+    unknown = [name for name in names if name not in manager.all_tasks]
+    if unknown:
+        raise QServeError(
+            f"unknown lm-eval task: {', '.join(unknown)} (`lm_eval ls tasks` lists them; "
+            "--include-path adds a folder of task YAMLs)",
+            param="tasks",
+        )
+    from qserve.lm_eval_model import QServeLM
+
+    model = QServeLM(engine_config=engine_config(**engine_kw))  # fails before tasks load
+    results = evaluator.simple_evaluate(
+        model=model, tasks=names, task_manager=manager, limit=limit, num_fewshot=num_fewshot
+    )
+    if as_json:
+        keys = ("results", "groups", "n-samples", "versions")
+        shown = {key: results[key] for key in keys if key in results}
+        click.echo(json.dumps(shown, default=utils.handle_non_serializable))
+        return
+    click.echo(utils.make_table(results))
+    if results.get("groups"):
+        click.echo(utils.make_table(results, "groups"))

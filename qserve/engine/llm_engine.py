@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from dataclasses import dataclass, field, replace
@@ -13,6 +14,7 @@ from qserve.config import EngineConfig
 from qserve.engine.context_length import check_context_length
 from qserve.engine.detokenizer import IncrementalDetokenizer
 from qserve.engine.kv_cache_manager import KVCacheManager
+from qserve.engine.logits_processors import TokenControls, check_token_ids, tokenize_bad_words
 from qserve.engine.model_runner import KVCacheSpec, ModelRunner, SampledToken
 from qserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from qserve.engine.request import Request, RequestStatus
@@ -86,6 +88,10 @@ class LLMEngine:
         )
         self.model_runner = ModelRunner(model, self.model_config, kv_spec, config.device)
         self._structured_outputs: StructuredOutputManager | None = None  # made on first use
+        # bad_words -> their token sequences (a batch of prompts shares one request's words)
+        self._bad_words_token_ids = functools.lru_cache(maxsize=64)(
+            functools.partial(tokenize_bad_words, self.tokenizer, self.model_config.vocab_size)
+        )
         self.requests: dict[str, RequestState] = {}
         # scheduler request id -> (the user's request, that one of its n samples)
         self._samples: dict[str, tuple[RequestState, SampleState]] = {}
@@ -183,11 +189,14 @@ class LLMEngine:
             raise QServeError(f"request id {request_id!r} is already in use", param="request_id")
         prompt_ids = self.tokenize(prompt)
         self._check_prompt(prompt_ids, params)
+        controls = self._token_controls(params)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         samples = [
             self._new_sample(request_id, i, prompt_ids, params, arrival, cache_salt, group)
             for i in range(params.n)
         ]
+        for sample in samples:
+            sample.request.token_controls = controls
         state = RequestState(
             request_id,
             prompt if isinstance(prompt, str) else None,
@@ -208,6 +217,12 @@ class LLMEngine:
         vocab = self.model_config.vocab_size
         if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
             raise QServeError(f"prompt token ids must be in [0, {vocab})", param="prompt")
+        check_token_ids(params, vocab)
+
+    def _token_controls(self, params: SamplingParams) -> TokenControls | None:
+        """allowed_token_ids, logit_bias and bad_words as tensors and token ids, once."""
+        bad_words = self._bad_words_token_ids(tuple(params.bad_words)) if params.bad_words else ()
+        return TokenControls.build(params, bad_words)
 
     @property
     def structured_outputs(self) -> StructuredOutputManager:

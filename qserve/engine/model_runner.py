@@ -160,6 +160,7 @@ class ModelRunner:
             requests[0].eos_token_ids,
             logits.shape[-1],
             self.device,
+            [r.token_controls for r in requests],
         )
         result = self.sampler(logits, metadata)
         logprobs = result.logprobs or [None] * len(requests)

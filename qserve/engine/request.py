@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
+    from qserve.engine.logits_processors import TokenControls
     from qserve.engine.sampler import Logprobs
     from qserve.engine.sampling_params import SamplingParams
 
@@ -74,6 +75,8 @@ class Request:
         self.num_preemptions = 0
         # the request's xgrammar GrammarMatcher (structured outputs), set by the engine
         self.grammar: Any = None
+        # allowed_token_ids, logit_bias and tokenized bad_words, built once by the engine
+        self.token_controls: TokenControls | None = None
         # prompt logprobs so far, one per prompt token (the first None), when asked for
         self.prompt_logprobs: list[Logprobs | None] | None = (
             [None] if sampling_params.prompt_logprobs is not None else None

@@ -2,10 +2,13 @@
 
 One row per request that samples this step. Order of operations, as in vLLM v1's sampler:
 1. logprobs from the raw logits (log_softmax before any processing);
-2. min_tokens: stop / EOS ids masked to -inf while a request is below its min_tokens;
-3. repetition penalty (prompt + output tokens), then frequency and presence (output tokens);
-4. greedy rows: argmax;
-5. random rows: temperature, min_p, top_k, top_p, then sample with the Gumbel trick
+2. allowed_token_ids: every other token masked to -inf (logits_processors);
+3. bad words: the tokens that would complete one masked to -inf (logits_processors);
+4. min_tokens: stop / EOS ids masked to -inf while a request is below its min_tokens;
+5. logit_bias added (logits_processors);
+6. repetition penalty (prompt + output tokens), then frequency and presence (output tokens);
+7. greedy rows: argmax;
+8. random rows: temperature, min_p, top_k, top_p, then sample with the Gumbel trick
    (probs / Exp(1) noise, argmax), each seeded row drawing its noise from its own generator so that
    its tokens do not depend on the rest of the batch.
 """
@@ -17,6 +20,13 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from qserve.engine.logits_processors import (
+    TokenControls,
+    apply_allowed_token_ids,
+    apply_bad_words,
+    apply_logit_bias,
+    control_tensors,
+)
 from qserve.engine.sampling_params import SamplingParams, SamplingType
 
 # How many of the most likely tokens top-p ranks before falling back to sorting the whole vocab.
@@ -90,6 +100,10 @@ class SamplingMetadata:
     num_logprobs: list[int | None]  # per row, params.logprobs
     max_num_logprobs: int | None  # None when no row asks for logprobs
     vocab_size: int
+    # logits_processors.control_tensors: None when no row uses the control
+    allowed_token_ids_mask: Tensor | None = None  # bool [num_rows, vocab], True: not allowed
+    bad_words_banned: tuple[Tensor, Tensor] | None = None  # (rows, token ids) banned this step
+    logit_bias: tuple[Tensor, Tensor, Tensor] | None = None  # (rows, token ids, biases)
 
     @property
     def no_penalties(self) -> bool:
@@ -105,8 +119,13 @@ class SamplingMetadata:
         eos_token_ids: list[int],
         vocab_size: int,
         device: torch.device | str = "cpu",
+        token_controls: list[TokenControls | None] | None = None,
     ) -> SamplingMetadata:
-        """`generators` maps row -> the request's generator (see `make_generator`), on `device`."""
+        """`generators` maps row -> the request's generator (see `make_generator`), on `device`.
+        `token_controls`: each row's, as the engine built them once per request (default: built
+        from the params here, which needs no bad_words)."""
+        if token_controls is None:
+            token_controls = [TokenControls.build(p) for p in params]
         greedy = [p.sampling_type == SamplingType.GREEDY for p in params]
         random_rows = [i for i, g in enumerate(greedy) if not g]
         num_logprobs = [p.logprobs for p in params]
@@ -129,6 +148,7 @@ class SamplingMetadata:
             num_logprobs=num_logprobs,
             max_num_logprobs=max(asked) if asked else None,
             vocab_size=vocab_size,
+            **control_tensors(token_controls, output_token_ids, vocab_size, device),
         )
 
 
@@ -198,7 +218,10 @@ class Sampler:
         if metadata.max_num_logprobs is not None:
             raw_logprobs = torch.log_softmax(logits, dim=-1)
         logits = logits.clone()  # the steps below work in place
+        apply_allowed_token_ids(logits, metadata.allowed_token_ids_mask)
+        apply_bad_words(logits, metadata.bad_words_banned)
         apply_min_tokens(logits, metadata.min_tokens_stop_ids)
+        apply_logit_bias(logits, metadata.logit_bias)
         if not metadata.no_penalties:
             logits = apply_penalties(logits, metadata)
         sampled = self.sample(logits, metadata)

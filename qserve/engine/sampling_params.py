@@ -13,6 +13,12 @@ from qserve.errors import QServeError
 SAMPLING_EPS = 1e-5
 # Most top logprobs a request may ask for (OpenAI's top_logprobs limit, vLLM's max_logprobs).
 MAX_LOGPROBS = 20
+# logit_bias: the bias range (OpenAI's); -100 in effect bans a token, +100 forces it
+MAX_LOGIT_BIAS = 100.0
+# Most bad words, and most token sequences they tokenize to (vLLM's VLLM_MAX_NUM_BAD_WORDS), and
+# most characters of them all, checked before the engine tokenizes them
+MAX_BAD_WORDS = 128
+MAX_BAD_WORDS_CHARS = 16384
 
 
 class SamplingType(enum.IntEnum):
@@ -38,6 +44,8 @@ class SamplingParams:
     number of top logprobs returned besides the sampled token's own (0..20, None = no logprobs);
     `prompt_logprobs` the same for each prompt token after the first (vLLM's: the token's logprob
     given the tokens before it, in `RequestOutput.prompt_logprobs`; the first entry is None).
+    `logit_bias` (token id -> bias in [-100, 100], added to the logit), `allowed_token_ids` (only
+    these may be sampled) and `bad_words` (never generated) are vLLM's: see logits_processors.
     """
 
     n: int = 1
@@ -58,6 +66,9 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     # a grammar the output must follow (JSON schema, regex, choice, EBNF): see structured_outputs
     structured_outputs: StructuredOutputsParams | None = None
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
@@ -68,6 +79,7 @@ class SamplingParams:
         self._verify_floats()
         self._verify_ints()
         self._verify_stop()
+        self._verify_token_controls()
 
     def _verify_floats(self) -> None:
         _check_float("temperature", self.temperature, low=0.0)
@@ -102,6 +114,38 @@ class SamplingParams:
             raise QServeError("stop cannot contain an empty string", param="stop")
         for token_id in self.stop_token_ids:
             _check_int("stop_token_ids", token_id, low=0)
+
+    def _verify_token_controls(self) -> None:
+        """Types and ranges; token ids against the vocabulary: logits_processors.check_token_ids,
+        when the engine adds the request."""
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise QServeError("logit_bias must map token ids to biases", param="logit_bias")
+            for token_id, bias in self.logit_bias.items():
+                _check_token_id("logit_bias", token_id)
+                _check_float("logit_bias", bias, low=-MAX_LOGIT_BIAS, high=MAX_LOGIT_BIAS)
+            biases = {token_id: float(bias) for token_id, bias in self.logit_bias.items()}
+            object.__setattr__(self, "logit_bias", biases)
+        if self.allowed_token_ids is not None:
+            allowed = list(self.allowed_token_ids)
+            if not allowed:
+                raise QServeError("allowed_token_ids cannot be empty", param="allowed_token_ids")
+            for token_id in allowed:
+                _check_token_id("allowed_token_ids", token_id)
+            object.__setattr__(self, "allowed_token_ids", allowed)
+        words = self.bad_words or []
+        if isinstance(words, str) or any(not isinstance(w, str) for w in words):
+            raise QServeError("bad_words must be a list of strings", param="bad_words")
+        bad_words = list(dict.fromkeys(words))  # vLLM drops repeats
+        if any(not w.strip() for w in bad_words):
+            raise QServeError("bad_words cannot contain an empty or blank string", "bad_words")
+        if len(bad_words) > MAX_BAD_WORDS:
+            raise QServeError(f"at most {MAX_BAD_WORDS} bad_words", param="bad_words")
+        if sum(len(w) for w in bad_words) > MAX_BAD_WORDS_CHARS:
+            raise QServeError(
+                f"the bad_words have more than {MAX_BAD_WORDS_CHARS} characters", "bad_words"
+            )
+        object.__setattr__(self, "bad_words", bad_words)
 
     @property
     def sampling_type(self) -> SamplingType:
@@ -162,6 +206,11 @@ def _check_int(name: str, value: int, low: int | None = None, high: int | None =
         raise QServeError(f"{name} must be an integer, got {value!r}", param=name)
     if (low is not None and value < low) or (high is not None and value > high):
         raise QServeError(f"{name} must be in {_range_text(low, high)}, got {value}", param=name)
+
+
+def _check_token_id(name: str, token_id: int) -> None:
+    if isinstance(token_id, bool) or not isinstance(token_id, int) or token_id < 0:
+        raise QServeError(f"{name}: token ids must be integers >= 0, got {token_id!r}", param=name)
 
 
 def _range_text(low: float | None, high: float | None, low_open: bool = False) -> str:

@@ -122,7 +122,7 @@ CASES = [
         "max_tokens",
     ),
     ("seed-string", "/v1/completions", completion(seed="x"), 400, "seed"),
-    ("logit-bias", "/v1/completions", completion(logit_bias={"50": 100}), 400, "logit_bias"),
+    ("logit-bias", "/v1/completions", completion(logit_bias={"50": 101}), 400, "logit_bias"),
     (
         "stream-options-type",
         "/v1/completions",

@@ -10,7 +10,7 @@ from typing import Any
 import click
 
 from qserve.commands.common import engine_config, engine_options, limit_options
-from qserve.errors import QServeError
+from qserve.errors import QServeError, read_user_text
 
 
 @click.command()
@@ -123,6 +123,22 @@ def _as_dict(out: Any) -> dict[str, Any]:
     help="Parse text like <|im_end|> inside chat messages as the special token, as vLLM does "
     "(by default it stays text, so a user cannot forge another role's turn).",
 )
+@click.option(
+    "--chat-template",
+    default=None,
+    help="A Jinja chat template file used instead of the model's.",
+)
+@click.option(
+    "--enable-auto-tool-choice",
+    is_flag=True,
+    help='Let the model choose to call tools (tool_choice "auto"); needs --tool-call-parser.',
+)
+@click.option(
+    "--tool-call-parser",
+    type=click.Choice(["hermes", "llama3_json", "mistral"]),
+    default=None,
+    help="How tool calls are read out of the model's text (Qwen/Hermes, Llama 3, Mistral).",
+)
 @click.option("--served-model-name", default=None, help="Model id clients send; default: MODEL.")
 @click.option(
     "--max-queue",
@@ -161,6 +177,9 @@ def serve(
     metrics_public: bool,
     allowed_hosts: tuple[str, ...],
     special_tokens_in_content: bool,
+    chat_template: str | None,
+    enable_auto_tool_choice: bool,
+    tool_call_parser: str | None,
     served_model_name: str | None,
     max_queue: int,
     max_tokens_default: int | None,
@@ -182,7 +201,11 @@ def serve(
             f"qserve serve needs the server packages ({exc.name} is missing): "
             "pip install 'qserve[serve]'"
         ) from None
+    if enable_auto_tool_choice != (tool_call_parser is not None):
+        raise QServeError("--enable-auto-tool-choice and --tool-call-parser go together")
     config = ServerConfig(
+        chat_template=read_user_text(chat_template, "chat template") if chat_template else None,
+        tool_call_parser=tool_call_parser,
         served_model_name=served_model_name or engine_kw["model"] or DEFAULT_MODEL,
         host=host,
         port=port,

@@ -131,10 +131,9 @@ def apply_grammar_bitmask(logits: torch.Tensor, requests: list[Request]) -> None
     bitmask = xgr.allocate_token_bitmask(logits.shape[0], vocab)
     for i in rows:
         requests[i].grammar.fill_next_token_bitmask(bitmask, i)  # type: ignore[union-attr]
-    masked = logits if logits.device.type == "cpu" else logits.cpu()
-    xgr.apply_token_bitmask_inplace(masked, bitmask, vocab_size=vocab, indices=rows)
-    if masked is not logits:
-        logits.copy_(masked)
+    # xgrammar picks its kernel by device: its CPU one here, its CUDA/Triton one on a GPU
+    bitmask = bitmask.to(logits.device, non_blocking=True)
+    xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=vocab, indices=rows)
 
 
 def _xgrammar_reason(text: str) -> str:

@@ -53,6 +53,8 @@ from qserve.server.security import (
 from qserve.server.serving_chat import OpenAIServingChat
 from qserve.server.serving_completion import OpenAIServingCompletion
 from qserve.server.serving_engine import SSEStream, close_all, now
+from qserve.server.tokenizer_worker import ChatTemplateArgs
+from qserve.server.tool_parsers import tool_parser
 
 logger = logging.getLogger("qserve")
 
@@ -84,6 +86,8 @@ class ServerConfig:
     max_tokens_default: int | None = None
     # parse text like <|im_end|> inside chat messages as special tokens (vLLM does)
     special_tokens_in_content: bool = False
+    chat_template: str | None = None  # a Jinja template used instead of the model's
+    tool_call_parser: str | None = None  # tool_choice "auto" reads calls with it (tool_parsers)
     # Host headers answered (None: loopback names when bound to loopback, else any; "*": any)
     allowed_hosts: tuple[str, ...] | None = None
 
@@ -99,8 +103,12 @@ class Server:
         self.stat_logger = StatLogger(self.metrics, lambda: self.engine.stats, config.log_interval)
         serving = (self.engine, config.served_model_name, config.limits, config.max_tokens_default)
         self.completion = OpenAIServingCompletion(*serving)
+        parser = tool_parser(config.tool_call_parser) if config.tool_call_parser else None
         self.chat = OpenAIServingChat(
-            *serving, special_tokens_in_content=config.special_tokens_in_content
+            *serving,
+            special_tokens_in_content=config.special_tokens_in_content,
+            chat_template=config.chat_template,
+            tool_parser=parser,
         )
 
     async def check_api_key(self, request: Request) -> None:
@@ -185,7 +193,12 @@ async def _tokenize(server: Server, body: TokenizeRequest) -> TokenizeResponse:
     if (body.prompt is None) == (body.messages is None):
         raise APIError("send exactly one of prompt and messages", param="prompt")
     if body.messages is not None:
-        tokens = await server.chat.prompt_ids(body.messages, body.add_generation_prompt)
+        template = ChatTemplateArgs(
+            [tool.template_dict() for tool in body.tools] if body.tools else None,
+            server.chat.chat_template,
+            body.chat_template_kwargs or {},
+        )
+        tokens = await server.chat.prompt_ids(body.messages, body.add_generation_prompt, template)
     else:
         tokens = await server.engine.tokenize(body.prompt or "", body.add_special_tokens)
     max_model_len = server.engine.max_model_len

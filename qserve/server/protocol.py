@@ -20,6 +20,8 @@ from qserve.server.request_fields import (
     structured_params,
 )
 from qserve.server.responses import ErrorInfo, ErrorResponse, Json, dump
+from qserve.server.tool_protocol import ChatCompletionTool, ToolCallIn, ToolChoice
+from qserve.server.tools import tool_choice_constraint
 
 # Most samples one request may ask for: n beyond this is surely a mistake, and costs memory.
 MAX_N = 128
@@ -117,6 +119,8 @@ class SamplingRequest(OpenAIRequest):
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
+    allowed_token_ids: list[int] | None = None  # vLLM's
+    bad_words: list[str] | None = None  # vLLM's
     ignore_eos: bool = False
     min_tokens: int = 0
     skip_special_tokens: bool = True
@@ -155,6 +159,9 @@ class SamplingRequest(OpenAIRequest):
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
             structured_outputs=structured_params(self.response_format, self.structured_outputs),
+            logit_bias=_logit_bias(self.logit_bias),
+            allowed_token_ids=self.allowed_token_ids,
+            bad_words=self.bad_words,
             # the server streams what is new, and adds it up for a whole response
             output_kind=RequestOutputKind.DELTA,
         )
@@ -164,8 +171,6 @@ class SamplingRequest(OpenAIRequest):
             raise QServeError(f"n must be at most {MAX_N}, got {self.n}", param="n")
         if self.best_of is not None and self.best_of != self.n:
             raise QServeError("best_of other than n is not supported", param="best_of")
-        if self.logit_bias:
-            raise QServeError("logit_bias is not supported", param="logit_bias")
 
 
 class CompletionRequest(SamplingRequest):
@@ -240,13 +245,23 @@ class ChatMessage(OpenAIModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None  # an assistant's calls
+    tool_call_id: str | None = None  # the call a tool message answers
 
-    def template_dict(self) -> dict[str, str]:
-        """What the chat template sees: content parts joined into one string."""
+    def template_dict(self) -> dict[str, Any]:
+        """What the chat template sees: content parts joined with newlines (as vLLM joins
+        them), and the tool fields where given."""
         content = self.content
         if isinstance(content, list):
-            content = "".join(part.text for part in content)
-        return {"role": self.role, "content": content or ""}
+            content = "\n".join(part.text for part in content)
+        turn: dict[str, Any] = {"role": self.role, "content": content or ""}
+        if self.tool_calls:
+            turn["tool_calls"] = [call.template_dict() for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            turn["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            turn["name"] = self.name
+        return turn
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -256,15 +271,40 @@ class ChatCompletionRequest(SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ChatCompletionTool] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool = True
 
     def sampling_params(self, default_max_tokens: int | None = None) -> SamplingParams:
         """Without max_completion_tokens / max_tokens: `default_max_tokens` (the server's
-        --max-tokens-default), else up to the end of the context, as OpenAI and vLLM."""
+        --max-tokens-default), else up to the end of the context, as OpenAI and vLLM. A
+        required or named tool choice is enforced by the JSON schema of the tools' arguments."""
         if self.top_logprobs is not None and not self.logprobs:
             raise QServeError("top_logprobs needs logprobs: true", param="top_logprobs")
+        if self.add_generation_prompt and self.continue_final_message:
+            raise QServeError(
+                "continue_final_message and add_generation_prompt cannot both be true",
+                param="continue_final_message",
+            )
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         max_tokens = _or(_or(self.max_completion_tokens, self.max_tokens), default_max_tokens)
-        return self.to_sampling_params(max_tokens, logprobs)
+        params = self.to_sampling_params(max_tokens, logprobs)
+        constraint = tool_choice_constraint(self.tools or [], self.tool_choice)
+        if constraint is None:
+            return params
+        if params.structured_outputs is not None:
+            raise QServeError(
+                "a required or named tool_choice cannot be combined with response_format or "
+                "structured_outputs",
+                param="tool_choice",
+            )
+        return replace(params, structured_outputs=constraint)
+
+    @property
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        return [tool.template_dict() for tool in self.tools] if self.tools else None
 
 
 class TokenizeRequest(OpenAIModel):
@@ -273,6 +313,8 @@ class TokenizeRequest(OpenAIModel):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    tools: list[ChatCompletionTool] | None = None  # rendered by the chat template, as in chat
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class DetokenizeRequest(OpenAIModel):
@@ -282,3 +324,15 @@ class DetokenizeRequest(OpenAIModel):
 
 def _or(value: T | None, default: T) -> T:
     return default if value is None else value
+
+
+def _logit_bias(logit_bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI's logit_bias, keyed by token ids written as strings of decimal digits."""
+    if logit_bias is None:
+        return None
+    for key in logit_bias:
+        if not (key.isascii() and key.removeprefix("-").isdigit()):
+            raise QServeError(
+                f"logit_bias keys must be token ids (integers), got {key!r}", param="logit_bias"
+            )
+    return {int(key): bias for key, bias in logit_bias.items()}

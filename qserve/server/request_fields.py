@@ -5,9 +5,9 @@
                          | {"type": "json_schema", "json_schema": {"name", "schema", "strict"}}
     structured_outputs   vLLM's: exactly one of json, regex, choice, grammar, json_object
 
-Fields a client sends expecting behaviour qserve does not have yet (tools, tool_choice other
-than "none", beam search, vLLM's older guided_* names, allowed_token_ids, bad_words) are a 400
-naming the field, never a silent 200. Any other unknown field is accepted, as OpenAI does, and
+Fields a client sends expecting behaviour qserve does not have (beam search, function calling's
+old `functions`, vLLM's older guided_* names) are a 400 naming the field, never a silent 200. Any
+other unknown field is accepted, as OpenAI does, and
 logged once per field name, as vLLM logs them.
 """
 
@@ -25,13 +25,9 @@ logger = logging.getLogger("qserve")
 
 # field -> why it is refused, for values that ask for something (see `_asks_for`)
 REFUSED_FIELDS = {
-    "tools": "tool calling is not supported yet",
-    "tool_choice": "tool calling is not supported yet",
     "functions": "function calling is not supported",
     "function_call": "function calling is not supported",
     "use_beam_search": "beam search is not supported yet",
-    "allowed_token_ids": "allowed_token_ids is not supported yet",
-    "bad_words": "bad_words is not supported yet",
     "guided_json": "use structured_outputs: {json: ...} or response_format instead",
     "guided_regex": "use structured_outputs: {regex: ...} instead",
     "guided_choice": "use structured_outputs: {choice: [...]} instead",

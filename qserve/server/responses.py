@@ -156,11 +156,37 @@ class ChatCompletionLogProbs(OpenAIResponse):
     content: list[ChatCompletionLogProbsContent]
 
 
+class FunctionCall(OpenAIResponse):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(OpenAIResponse):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class DeltaFunctionCall(OpenAIResponse):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(OpenAIResponse):
+    """A stream's piece of a tool call: the first has its id, type and name."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+
 class ChatCompletionMessage(OpenAIResponse):
     """The assistant's message of a whole response (vLLM's ChatMessage)."""
 
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] = []
 
 
 class ChatCompletionResponseChoice(OpenAIResponse):
@@ -185,6 +211,7 @@ class DeltaMessage(OpenAIResponse):
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatCompletionResponseStreamChoice(OpenAIResponse):

@@ -13,6 +13,7 @@ import copy
 import re
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from qserve.server.protocol import APIError, ChatMessage
@@ -44,29 +45,48 @@ class TokenizerWorker:
         messages: list[ChatMessage],
         add_generation_prompt: bool,
         special_tokens_in_content: bool = False,
+        template: ChatTemplateArgs | None = None,
     ) -> list[int]:
         """The prompt's token ids: the chat template rendered and tokenized. The template's own
         special tokens (role markers) are parsed; text like `<|im_end|>` inside a message stays
         plain text unless `special_tokens_in_content`, so a user cannot close their turn and
-        write another role's. (vLLM tokenizes the rendered string whole, parsing both.)"""
-        if not getattr(self.tokenizer, "chat_template", None):
+        write another role's. (vLLM tokenizes the rendered string whole, parsing both.)
+        `template`: the tools, a template overriding the model's, extra template variables and
+        continue_final_message."""
+        template = template or ChatTemplateArgs()
+        if not (template.chat_template or getattr(self.tokenizer, "chat_template", None)):
             raise APIError("this model's tokenizer has no chat template", param="messages")
         turns = [m.template_dict() for m in messages]
         parse = special_tokens_in_content
-        return await self.run(lambda tok: _chat_token_ids(tok, turns, add_generation_prompt, parse))
+        return await self.run(
+            lambda tok: _chat_token_ids(tok, turns, add_generation_prompt, parse, template)
+        )
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
+@dataclass(frozen=True)
+class ChatTemplateArgs:
+    tools: list[dict[str, Any]] | None = None
+    chat_template: str | None = None  # overrides the tokenizer's (--chat-template)
+    kwargs: dict[str, Any] = field(default_factory=dict)  # the request's chat_template_kwargs
+    continue_final_message: bool = False
+
+
 def _chat_token_ids(
-    tokenizer: Any, turns: list[dict[str, str]], generation_prompt: bool, parse_content: bool
+    tokenizer: Any,
+    turns: list[dict[str, Any]],
+    generation_prompt: bool,
+    parse_content: bool,
+    template: ChatTemplateArgs,
 ) -> list[int]:
     if parse_content:
-        text = _apply_template(tokenizer, turns, generation_prompt)
+        text = _apply_template(tokenizer, turns, generation_prompt, template)
         return tokenizer.encode(text, add_special_tokens=False)
-    marked = [{**turn, "content": f"\ue000{i}\ue001"} for i, turn in enumerate(turns)]
-    parts = _CONTENT.split(_apply_template(tokenizer, marked, generation_prompt))
+    marked = [{**turn, "content": f"\ue000{i}\ue001"} if turn["content"] else turn
+              for i, turn in enumerate(turns)]  # fmt: skip
+    parts = _CONTENT.split(_apply_template(tokenizer, marked, generation_prompt, template))
     ids: list[int] = []
     for k, part in enumerate(parts):  # template text, content index, template text, ...
         if k % 2 == 0:
@@ -78,11 +98,34 @@ def _chat_token_ids(
 
 
 def _apply_template(
-    tokenizer: Any, turns: list[dict[str, str]], add_generation_prompt: bool
+    tokenizer: Any,
+    turns: list[dict[str, Any]],
+    add_generation_prompt: bool,
+    template: ChatTemplateArgs,
 ) -> str:
+    kwargs = {k: v for k, v in template.kwargs.items() if k not in _RESERVED_TEMPLATE_KWARGS}
     try:
         return tokenizer.apply_chat_template(
-            turns, tokenize=False, add_generation_prompt=add_generation_prompt
+            turns,
+            tools=template.tools,
+            chat_template=template.chat_template,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=template.continue_final_message,
+            **kwargs,
         )
     except Exception as exc:  # jinja raises what the template author chose
-        raise APIError(f"the chat template failed: {exc}", param="messages") from None
+        message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise APIError(f"the chat template failed: {message}", param="messages") from None
+
+
+# chat_template_kwargs that would change how the template is called, not what it reads
+_RESERVED_TEMPLATE_KWARGS = {
+    "tokenize",
+    "tools",
+    "chat_template",
+    "conversation",
+    "add_generation_prompt",
+    "continue_final_message",
+    "return_dict",
+}

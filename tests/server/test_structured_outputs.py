@@ -85,13 +85,13 @@ BAD = [
      "structured_outputs.structural_tag"),
     ("both-fields", {"response_format": {"type": "json_object"},
                      "structured_outputs": {"regex": "a"}}, "response_format"),
-    ("tools", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]},
-     "tools"),
+    ("tools-auto-without-parser",
+     {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]},
+     "tool_choice"),
     ("tool-choice", {"tool_choice": {"type": "function", "function": {"name": "g"}}},
      "tool_choice"),
     ("beam-search", {"use_beam_search": True}, "use_beam_search"),
     ("guided-json", {"guided_json": {"type": "object"}}, "guided_json"),
-    ("bad-words", {"bad_words": ["whale"]}, "bad_words"),
 ]  # fmt: skip
 
 

@@ -73,9 +73,11 @@ def gptqmodel_quantize(
     damp: float = 0.01,
     sym: bool = True,
     gptaq: bool = False,
+    dynamic: dict | None = None,
 ) -> float:
     """GPTQ with gptqmodel on calibration ids [S, T]; writes a GPTQ v1 checkpoint to `out`.
-    `gptaq`: its GPTAQ variant (alpha 0.25, statistics on the CPU)."""
+    `gptaq`: its GPTAQ variant (alpha 0.25, statistics on the CPU); `dynamic`: its per-module
+    overrides ({"[+:|-:]regex": {"bits": 8, ...}})."""
     gptqmodel = import_gptqmodel()
     extra = {}
     if gptaq:
@@ -89,6 +91,7 @@ def gptqmodel_quantize(
         sym=sym,
         damp_percent=damp,
         pack_impl="original",
+        dynamic=dynamic,
         **extra,
     )
     samples = [{"input_ids": row.tolist(), "attention_mask": [1] * len(row)} for row in input_ids]

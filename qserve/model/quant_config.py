@@ -10,7 +10,9 @@ Formats (ARCHITECTURE.md section 4):
     compressed-tensors    int8 | fp8            8-bit, channel|tensor   token|tensor|static|None
     fp8 (vLLM)            fp8                   fp8, tensor|channel     tensor|static
 
-Anything else fails here, at start, with one line naming the scheme.
+GPTQ checkpoints may mix schemes per module with GPTQModel's `dynamic` overrides (regexes over
+module names: other bits / group size / act-order, or "-:" to leave a module dense), read as
+vLLM reads them. Anything else fails here, at start, with one line naming the scheme.
 """
 
 from __future__ import annotations
@@ -64,10 +66,16 @@ class QuantScheme:
     block_modules: tuple[str, ...] | None = None  # GPTQ modules_in_block_to_quantize
     kv_cache_scheme: bool = False  # compressed-tensors kv_cache_scheme: k/v scales expected
     lm_head: bool = False  # GPTQ "lm_head": true (GPTQModel, vLLM): lm_head has the first scheme
+    # GPTQModel's per-module `dynamic` overrides: (regex, scheme or None = left dense), the
+    # first whose regex matches (re.match) the module's name decides, before everything else
+    dynamic: tuple[tuple[str, LinearScheme | None], ...] = ()
 
     def for_module(self, name: str) -> LinearScheme | None:
         """The scheme of linear `name`, or None when it stays dense (lm_head does unless the
         checkpoint quantized it)."""
+        for pattern, scheme in self.dynamic:
+            if re.match(pattern, name):
+                return scheme
         if name == "lm_head":
             return self.groups[0][1] if self.lm_head and self.groups else None
         if self._ignored(name):
@@ -87,7 +95,9 @@ class QuantScheme:
         return not any(name.endswith("." + m) for m in self.block_modules)
 
     def describe(self) -> str:
-        names = list(dict.fromkeys(scheme.name for _, scheme in self.groups))
+        schemes = [scheme for _, scheme in self.groups]
+        schemes += [scheme for _, scheme in self.dynamic if scheme is not None]
+        names = list(dict.fromkeys(scheme.name for scheme in schemes))
         return f"{self.method}: {', '.join(names)}"
 
 
@@ -132,8 +142,6 @@ def _parse_gptq(raw: dict[str, Any], source: str) -> QuantScheme:
     fmt = raw.get("checkpoint_format") or raw.get("format") or "gptq"
     if fmt != "gptq":
         raise _unsupported(source, f"GPTQ checkpoint_format {fmt!r}", "expected 'gptq' (v1)")
-    if raw.get("dynamic"):
-        raise _unsupported(source, "GPTQModel per-module 'dynamic' overrides", "expected none")
     _check_pack_dtype(raw, source, "GPTQ")
     scheme = LinearScheme(
         "gptq",
@@ -146,7 +154,50 @@ def _parse_gptq(raw: dict[str, Any], source: str) -> QuantScheme:
         ((("Linear",), scheme),),
         block_modules=_block_modules(raw),
         lm_head=bool(raw.get("lm_head", False)),
+        dynamic=_gptq_dynamic(raw.get("dynamic"), scheme, source),
     )
+
+
+def _gptq_dynamic(
+    raw: Any, base: LinearScheme, source: str
+) -> tuple[tuple[str, LinearScheme | None], ...]:
+    """GPTQModel's `dynamic`: {"[+:|-:]regex": {bits, group_size, desc_act, sym}}. A "-:" rule
+    leaves matching modules dense; a positive one overrides the base scheme's fields (as
+    GPTQModel and vLLM read it: the first matching rule decides)."""
+    if not raw:
+        return ()
+    if not isinstance(raw, dict):
+        raise _unsupported(source, f"GPTQ dynamic {type(raw).__name__}", "expected an object")
+    rules = []
+    for key, overrides in raw.items():
+        negative = key.startswith("-:")
+        pattern = key.removeprefix("-:").removeprefix("+:")
+        try:
+            re.compile(pattern)
+        except re.error as exc:
+            raise _unsupported(
+                source, f"GPTQ dynamic regex {pattern!r} ({exc})", "a regex"
+            ) from None
+        if negative:
+            rules.append((pattern, None))
+            continue
+        rules.append((pattern, _dynamic_scheme(overrides, base, source, pattern)))
+    return tuple(rules)
+
+
+_DYNAMIC_KEYS = {"bits", "group_size", "desc_act", "sym"}
+
+
+def _dynamic_scheme(overrides: Any, base: LinearScheme, source: str, pattern: str) -> LinearScheme:
+    if not isinstance(overrides, dict) or set(overrides) - _DYNAMIC_KEYS:
+        what = f"GPTQ dynamic overrides {overrides!r} for {pattern!r}"
+        raise _unsupported(source, what, f"expected keys among {sorted(_DYNAMIC_KEYS)}")
+    bits = overrides.get("bits", base.bits)
+    if bits not in (4, 8):
+        raise _unsupported(source, f"GPTQ {bits}-bit (dynamic {pattern!r})", "4 or 8 bits")
+    group = _group_size(overrides.get("group_size", base.group_size), source, "GPTQ")
+    desc_act = bool(overrides.get("desc_act", base.desc_act))
+    return LinearScheme("gptq", bits=bits, group_size=group, desc_act=desc_act)
 
 
 def _check_pack_dtype(raw: dict[str, Any], source: str, method: str) -> None:

@@ -5,9 +5,9 @@
 
 For each output kind (CUMULATIVE: every output holds the whole history; DELTA: only what is
 new, what the server asks for), a request is grown to the position with the built-in model's
-tokenizer, then `--steps` more tokens are added one at a time and the engine's per-sample output
-(`LLMEngine._completion`, with the detokenizer's update) is timed; the median per step is
-reported. Only the output path is measured, not the model.
+tokenizer, then `--steps` more tokens are added one at a time and the engine's per-sample
+output (`output_processor.completion_output`, with the detokenizer's update) is timed; the
+median per step is reported. Only the output path is measured, not the model.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ DEFAULT_OUTPUT = Path(__file__).resolve().parent / "results" / "output_cost.json
 def _sample(tokenizer: Any, kind: Any, logprobs: int) -> Any:
     """A sample of an empty request, as the engine keeps it."""
     from qserve.engine.detokenizer import IncrementalDetokenizer
-    from qserve.engine.llm_engine import SampleState
+    from qserve.engine.output_processor import SampleState
     from qserve.engine.request import Request
     from qserve.engine.sampling_params import SamplingParams
 
@@ -48,7 +48,7 @@ def _step(sample: Any, token: int, entry: Any) -> None:
 
 def measure(tokenizer: Any, kind: Any, position: int, steps: int, logprobs: int) -> float:
     """Median seconds per step of the output path, `steps` steps after `position` tokens."""
-    from qserve.engine.llm_engine import LLMEngine
+    from qserve.engine.output_processor import completion_output
     from qserve.engine.sampler import Logprobs
     from qserve.engine.sampling_params import RequestOutputKind
 
@@ -59,12 +59,12 @@ def measure(tokenizer: Any, kind: Any, position: int, steps: int, logprobs: int)
     for i in range(position):
         _step(sample, text_ids[i % len(text_ids)], entry)
         if i % 64 == 0:
-            LLMEngine._completion(sample, delta)
+            completion_output(sample, delta)
     times = []
     for i in range(steps):
         start = time.perf_counter()
         _step(sample, text_ids[(position + i) % len(text_ids)], entry)
-        LLMEngine._completion(sample, delta)
+        completion_output(sample, delta)
         times.append(time.perf_counter() - start)
     return statistics.median(times)
 

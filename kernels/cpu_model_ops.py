@@ -54,14 +54,19 @@ def _rows(t: torch.Tensor) -> bool:
     return t.is_cpu and t.dim() == 2 and t.stride(-1) == 1
 
 
+@cpu_build.constant_while_tracing
+def ready() -> bool:
+    """Enabled and compiled (compiles on the first call). torch.compile calls this once while
+    tracing and bakes the answer into the graph (no os / ctypes calls in the traced code)."""
+    return cpu_build.enabled() and load_library() is not None
+
+
 def usable(*tensors: torch.Tensor) -> bool:
     """Enabled, on CPU, in a dtype the C++ ops take, and compiled. Cheap: called per op."""
-    if not cpu_build.enabled():
-        return False
     for t in tensors:
         if not t.is_cpu or t.dtype not in DTYPES:
             return False
-    return load_library() is not None
+    return ready()
 
 
 def rms_norm_usable(

@@ -103,9 +103,16 @@ def supports(query: torch.Tensor, kv_cache: torch.Tensor) -> bool:
     )
 
 
+@cpu_build.constant_while_tracing
+def ready() -> bool:
+    """Enabled and compiled (compiles on the first call). torch.compile calls this once while
+    tracing and bakes the answer into the graph (no os / ctypes calls in the traced code)."""
+    return enabled() and load_library() is not None
+
+
 def usable(query: torch.Tensor, kv_cache: torch.Tensor) -> bool:
     """Enabled, supported, and compiled (compiles on the first call that gets this far)."""
-    return enabled() and supports(query, kv_cache) and load_library() is not None
+    return supports(query, kv_cache) and ready()
 
 
 @functools.lru_cache(maxsize=64)

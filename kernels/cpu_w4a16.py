@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from qserve.kernels import cpu_build
+from qserve.kernels import cpu_build, custom_ops
 from qserve.kernels.cpu_dense import native_half_matmul
 from qserve.kernels.packing import (
     unpack_awq_qweight,
@@ -185,11 +185,20 @@ def _check(status: int, what: str) -> None:
 
 
 def w4_gemv(x: torch.Tensor, w: W4PackedCPU, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, K] (fp32/bf16/fp16, last dim contiguous) -> [M, N] in x's dtype, on the C++ loop."""
-    M, K = x.shape
-    dtype_code = X_DTYPES.get(x.dtype)
-    if K != w.codes.shape[1] * 8 or dtype_code is None or x.stride(-1) != 1 or not x.is_cpu:
+    """x [M, K] (fp32/bf16/fp16, last dim contiguous) -> [M, N] in x's dtype, on the C++ loop
+    (through the custom op `torch.ops.qserve.w4a16_gemm`, so torch.compile sees it)."""
+    K = x.shape[1]
+    if K != w.in_features or x.dtype not in X_DTYPES or x.stride(-1) != 1 or not x.is_cpu:
         raise ValueError(f"x {x.dtype} {tuple(x.shape)} does not fit a W4 weight with K={K}")
+    return custom_ops.w4a16_gemm(x, w.codes, w.scales, w.zs, w.perm, bias, w.group_size)
+
+
+def w4_gemv_ctypes(
+    x: torch.Tensor, w: W4PackedCPU, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """`w4_gemv`'s C call itself, for arguments it checked (the custom op's CPU kernel)."""
+    M, K = x.shape
+    dtype_code = X_DTYPES[x.dtype]
     N = w.codes.shape[0] * 8
     y = torch.empty(M, N, dtype=x.dtype)
     b = None if bias is None else bias.to(torch.float32).contiguous()
@@ -206,9 +215,15 @@ def w4_gemv(x: torch.Tensor, w: W4PackedCPU, bias: torch.Tensor | None = None) -
 
 def w4_dequantize_t(w: W4PackedCPU, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """W.T [K, N] in fp32 or bf16 (rounded to nearest even), input channels in the order the
-    codes are stored (sorted by group for act-order: multiply x[:, perm] by it)."""
+    codes are stored (sorted by group for act-order: multiply x[:, perm] by it). Through the
+    custom op `torch.ops.qserve.w4a16_dequantize`."""
     if dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"W4 dequantizes to float32 or bfloat16, not {dtype}")
+    return custom_ops.w4a16_dequantize(w.codes, w.scales, w.zs, w.group_size, dtype)
+
+
+def w4_dequantize_t_ctypes(w: W4PackedCPU, dtype: torch.dtype) -> torch.Tensor:
+    """`w4_dequantize_t`'s C call itself (the custom op's CPU kernel)."""
     out = torch.empty(w.in_features, w.out_features, dtype=dtype)
     status = _library().qserve_w4_dequantize(
         w.codes.data_ptr(), w.scales.data_ptr(), w.zs.data_ptr(), w.in_features,
@@ -237,7 +252,14 @@ def w4_mm(x: torch.Tensor, w: W4PackedCPU, bias: torch.Tensor | None = None) -> 
 
 
 def _native_bf16(x: torch.Tensor) -> bool:
-    return x.dtype == torch.bfloat16 and native_half_matmul()
+    return x.dtype == torch.bfloat16 and _native_half()
+
+
+@cpu_build.constant_while_tracing
+def _native_half() -> bool:
+    """`native_half_matmul()` (this module's name, which tests patch), a constant while
+    torch.compile traces (dynamo does not trace torch.cpu's CPU feature probes)."""
+    return native_half_matmul()
 
 
 def _gemv_rows(x: torch.Tensor) -> bool:

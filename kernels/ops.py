@@ -2,9 +2,10 @@
 
 Model code calls these and never picks an implementation itself. Triton is imported only when a
 CUDA tensor arrives, so this module imports (and the CPU path runs) without triton installed.
-On CPU, paged attention's decode rows, the KV cache write, RMSNorm and RoPE run C++ kernels
-compiled on first use (`cpu_paged_attention`, `cpu_model_ops`; QSERVE_CPU_KERNELS=0 turns them
-off). RMSNorm and RoPE have no Triton kernel: torch on CUDA.
+On CPU, paged attention's decode rows, the KV cache write, RMSNorm, RoPE and SiLU-and-mul run
+C++ kernels compiled on first use (`cpu_paged_attention`, `cpu_model_ops`; QSERVE_CPU_KERNELS=0
+turns them off), called as the torch custom ops `torch.ops.qserve.*` (`custom_ops`) so that
+torch.compile sees them. RMSNorm and RoPE have no Triton kernel: torch on CUDA.
 """
 
 from __future__ import annotations
@@ -17,7 +18,13 @@ from typing import ParamSpec, TypeVar
 import torch
 import torch.nn.functional as F
 
-from qserve.kernels import cpu_build, cpu_dense, cpu_model_ops, cpu_paged_attention
+from qserve.kernels import (
+    cpu_build,
+    cpu_dense,
+    cpu_model_ops,
+    cpu_paged_attention,
+    custom_ops,
+)
 from qserve.kernels.attention_ref import Scale, paged_attention_ref, reshape_and_cache_ref
 from qserve.kernels.fp8_ref import fp8_scaled_mm_ref, scaled_fp8_quant_ref, w8a8_fp8_linear_ref
 from qserve.kernels.fused_moe_ref import MoEWeight, fused_experts_ref
@@ -82,12 +89,30 @@ def reshape_and_cache(
     v_scale: Scale = 1.0,
 ) -> None:
     """Write new K/V [num_tokens, num_kv_heads, head_dim] into the pages at slot_mapping."""
-    ref = reshape_and_cache_ref
     if key.is_cpu and cpu_model_ops.cache_write_usable(key, kv_cache):
-        ref = cpu_model_ops.reshape_and_cache
-    _pick(key, ref, "cache_write.reshape_and_cache")(
+        Hk = key.shape[1]
+        custom_ops.reshape_and_cache(
+            key,
+            value,
+            kv_cache,
+            slot_mapping,
+            _scale_tensor(k_scale, Hk),
+            _scale_tensor(v_scale, Hk),
+        )
+        return
+    _pick(key, reshape_and_cache_ref, "cache_write.reshape_and_cache")(
         key, value, kv_cache, slot_mapping, k_scale, v_scale
     )
+
+
+def _scale_tensor(scale: Scale, num_kv_heads: int) -> torch.Tensor:
+    """A KV page scale as the custom ops take it: a tensor as is (1 or num_kv_heads values,
+    read inside the op), a number as a cached fp32 [num_kv_heads]."""
+    if isinstance(scale, torch.Tensor):
+        return scale
+    if torch.compiler.is_compiling():  # a constant of the graph; the cache is for eager calls
+        return torch.full((num_kv_heads,), float(scale), dtype=torch.float32)
+    return cpu_paged_attention.head_scales(scale, num_kv_heads)
 
 
 def paged_attention(
@@ -104,10 +129,13 @@ def paged_attention(
     """Attention of a flat varlen batch of queries over paged K/V (see attention_ref): Triton
     on CUDA, the C++ decode kernel on CPU (falls back to the reference itself), else torch.
     `sliding_window` W: each query sees the last W positions up to itself (None = all)."""
-    ref = paged_attention_ref
-    if query.is_cpu and cpu_paged_attention.enabled():
-        ref = cpu_paged_attention.paged_attention
-    return _pick(query, ref, "paged_attention.paged_attention")(
+    if query.is_cpu and cpu_paged_attention.usable(query, kv_cache):
+        Hk = kv_cache.shape[3]
+        return custom_ops.paged_attention(
+            query, kv_cache, block_tables, seq_lens, query_start_loc, scale,
+            _scale_tensor(k_scale, Hk), _scale_tensor(v_scale, Hk), sliding_window,
+        )  # fmt: skip
+    return _pick(query, paged_attention_ref, "paged_attention.paged_attention")(
         query,
         kv_cache,
         block_tables,
@@ -140,7 +168,9 @@ def rms_norm(
     """RMSNorm of x (see model_ops_ref.rms_norm_ref); with `residual`, of x + residual, also
     returning that sum (on CPU the C++ op writes it into `residual` in place)."""
     if cpu_model_ops.rms_norm_usable(x, weight, residual):
-        return cpu_model_ops.rms_norm_unchecked(x, weight, eps, residual)
+        if residual is None:
+            return custom_ops.rms_norm(x, weight, eps)
+        return custom_ops.fused_add_rms_norm(x, residual, weight, eps), residual
     return rms_norm_ref(x, weight, eps, residual)
 
 
@@ -148,7 +178,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x [M, 2D] (the fused gate/up output) -> silu(x[:, :D]) * x[:, D:], vLLM's activation:
     the C++ op on CPU, torch elsewhere (no Triton kernel: torch on CUDA)."""
     if cpu_model_ops.silu_and_mul_usable(x):
-        return cpu_model_ops.silu_and_mul_unchecked(x)
+        return custom_ops.silu_and_mul(x)
     return silu_and_mul_ref(x)
 
 
@@ -164,7 +194,8 @@ def rope_neox(
     the C++ op on CPU rotates them in place. `cos_sin(dtype)`: the torch path's cos/sin for
     these positions, if the caller caches them."""
     if cpu_model_ops.rope_usable(q, k):
-        return cpu_model_ops.rope_neox(q, k, positions, cos_sin_cache, head_dim)
+        custom_ops.rope_neox(q, k, positions, cos_sin_cache, head_dim)
+        return q, k
     gathered = None if cos_sin is None else cos_sin(q.dtype)
     return rope_neox_ref(q, k, positions, cos_sin_cache, head_dim, gathered)
 

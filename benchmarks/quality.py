@@ -5,9 +5,16 @@
         [--calib-seq-len 256] [--seq-len 512] [--max-tokens 2048] [--dtype bfloat16]
         [--num-threads 1] [--output benchmarks/results/quality.json]
 
-Calibration: the bundled Moby-Dick chapters 11-135 (`qserve.quantize` default). Evaluation:
-chapters 1-10 (`moby-dick-eval`; both bundled in qserve/data), the first `--max-tokens` tokens
-(0: all) in non-overlapping `--seq-len` windows, the same token ids for every row (tokenized once).
+Calibration: `qserve.quantize`'s default, the bundled mix of fiction (Moby-Dick ch. 11-135),
+drama, encyclopedia prose, Python documentation and Python code (`qserve.data.calibration_text`).
+Every row is scored on two texts, each the first `--max-tokens` tokens (0: all) in
+non-overlapping `--seq-len` windows, the same token ids for every row (tokenized once):
+
+    in-domain   Moby-Dick ch. 1-10 (`moby-dick-eval`): the book of one calibration source
+    held-out    State of the Union addresses 2010-2020 (`qserve.data.heldout_text`): a source
+                and a kind of text (modern speeches) that no calibration source is
+
+The held-out column is the one that says whether a method's gain over RTN generalizes.
 
 Rows: the unquantized baseline (at `--dtype`), RTN / GPTQ / GPTQ act-order / AWQ w4, INT8
 W8A8 (SmoothQuant), FP8 W8A8 and FP8 KV (baseline weights, fp8_e4m3 pages with scale 1.0), each
@@ -141,6 +148,8 @@ class Row:
     path: str  # engine | dequantized
     scheme: str
     notes: list[str] = field(default_factory=list)
+    heldout_perplexity: float | None = None  # on `heldout_text`; `perplexity`: in-domain
+    heldout_num_tokens: int | None = None
 
 
 # ----------------------------------------------------------------------------- checkpoints
@@ -302,11 +311,20 @@ def load_engine(folder: Path, method: Method, tmp: Path, args: argparse.Namespac
 
 
 def evaluate(
-    folder: Path, method: Method, ids: list[int], tmp: Path, args: argparse.Namespace
+    folder: Path,
+    method: Method,
+    ids: list[int],
+    tmp: Path,
+    args: argparse.Namespace,
+    heldout: list[int] | None = None,
 ) -> Row:
+    """Perplexity on the in-domain `ids` and, when given, on the `heldout` ids (same engine)."""
     engine, path, note = load_engine(folder, method, tmp, args)
     prefix = text_prefix(engine.tokenizer)  # each window starts as a text does (Gemma: <bos>)
     result = perplexity(engine, ids, args.seq_len, args.max_tokens or None, prefix)
+    held = None
+    if heldout is not None:
+        held = perplexity(engine, heldout, args.seq_len, args.max_tokens or None, prefix)
     scheme = engine.load_report.scheme
     del engine
     gc.collect()
@@ -322,20 +340,27 @@ def evaluate(
         path,
         scheme,
         [note] if note else [],
+        held.perplexity if held else None,
+        held.num_tokens if held else None,
     )
 
 
 def run_method(
-    model: Path, method: Method, ids: list[int], tmp: Path, args: argparse.Namespace
+    model: Path,
+    method: Method,
+    ids: list[int],
+    tmp: Path,
+    args: argparse.Namespace,
+    heldout: list[int] | None = None,
 ) -> Row:
     log(f"{method.label}: quantizing" if method.quantize else f"{method.label}: evaluating")
     if method.quantize is None:
-        row = evaluate(model, method, ids, tmp, args)
+        row = evaluate(model, method, ids, tmp, args, heldout)
         row.notes += [n for n in [fp32_note(model)] if n]
         return row
     folder = tmp / method.name
     seconds = quantize(model, method, folder, args)
-    row = evaluate(folder, method, ids, tmp, args)
+    row = evaluate(folder, method, ids, tmp, args, heldout)
     row.quant_seconds = seconds
     fp32 = fp32_note(folder) if method.tool != "qserve" else None
     row.notes += [fp32] if fp32 else []
@@ -349,6 +374,14 @@ def eval_tokens(model: Path) -> list[int]:
 
     text = load_eval_text("moby-dick-eval")
     return load_tokenizer(model).encode(text, add_special_tokens=False)
+
+
+def heldout_tokens(model: Path) -> list[int]:
+    """The held-out text (`qserve.data.heldout_text`), tokenized once as `eval_tokens`."""
+    from qserve.data import heldout_text
+    from qserve.model.loader import load_tokenizer
+
+    return load_tokenizer(model).encode(heldout_text(), add_special_tokens=False)
 
 
 def installed(name: str) -> bool:
@@ -372,28 +405,45 @@ def third_party(names: list[str], group_size: int) -> dict[str, str]:
 # ---------------------------------------------------------------------------------- report
 
 
-def recovery(rows: dict[str, Row]) -> dict[str, float]:
-    """Share of RTN's perplexity increase that GPTQ / AWQ win back (target >= 0.5)."""
+def recovery(rows: dict[str, Row], field_name: str = "perplexity") -> dict[str, float]:
+    """Share of RTN's perplexity increase that GPTQ / AWQ win back (target >= 0.5), on the
+    in-domain text (`perplexity`) or the held-out one (`heldout_perplexity`)."""
     base, rtn = rows.get("baseline"), rows.get("rtn")
-    if base is None or rtn is None or rtn.perplexity <= base.perplexity:
+    if base is None or rtn is None:
         return {}
-    gap = rtn.perplexity - base.perplexity
+    b, r = getattr(base, field_name), getattr(rtn, field_name)
+    if b is None or r is None or r <= b:
+        return {}
     names = [n for n in rows if n not in ("baseline", "rtn") and rows[n].quant_seconds is not None]
     names = [n for n in names if n.startswith(("gptq", "awq", "autoawq"))]
-    return {n: (rtn.perplexity - rows[n].perplexity) / gap for n in names}
+    names = [n for n in names if getattr(rows[n], field_name) is not None]
+    return {n: (r - getattr(rows[n], field_name)) / (r - b) for n in names}
 
 
-def format_table(rows: list[Row], base: float) -> str:
-    head = f"{'method':<28}{'ppl':>9}{'vs base':>9}{'MB':>8}{'quant s':>9}{'eval s':>8}  path"
+def format_table(rows: list[Row], base: float, heldout_base: float | None = None) -> str:
+    """One line a row: in-domain perplexity, held-out perplexity (each also vs the baseline),
+    size, times and path."""
+    head = (
+        f"{'method':<32}{'in-domain':>10}{'vs base':>9}{'held-out':>10}{'vs base':>9}"
+        f"{'MB':>7}{'quant s':>8}{'eval s':>7}  path"
+    )
     lines = [head, "-" * len(head)]
     for r in rows:
         quant = f"{r.quant_seconds:.0f}" if r.quant_seconds is not None else "-"
-        delta = f"{100 * (r.perplexity / base - 1):+.2f}%"
+        held, held_delta = "-", "-"
+        if r.heldout_perplexity is not None and heldout_base:
+            held = f"{r.heldout_perplexity:.3f}"
+            held_delta = f"{100 * (r.heldout_perplexity / heldout_base - 1):+.2f}%"
         lines.append(
-            f"{r.label:<28}{r.perplexity:>9.3f}{delta:>9}{r.size_mb:>8.1f}{quant:>9}"
-            f"{r.eval_seconds:>8.1f}  {r.path} ({r.scheme})"
+            f"{r.label:<32}{r.perplexity:>10.3f}{_delta(r.perplexity, base):>9}{held:>10}"
+            f"{held_delta:>9}{r.size_mb:>7.1f}{quant:>8}{r.eval_seconds:>7.1f}  "
+            f"{r.path} ({r.scheme})"
         )
     return "\n".join(lines)
+
+
+def _delta(value: float, base: float) -> str:
+    return f"{100 * (value / base - 1):+.2f}%"
 
 
 def log(message: str) -> None:
@@ -408,6 +458,7 @@ def measure(
     torch.set_num_threads(args.num_threads)
     model = resolve_model(args.model)
     ids = eval_tokens(model)
+    heldout = heldout_tokens(model)
     if args.group_size == "auto":
         args.group_size = auto_group_size(model)
     names = ["baseline", *[n for n in args.methods if n != "baseline" and installed(n)]]
@@ -415,7 +466,7 @@ def measure(
     with tempfile.TemporaryDirectory(prefix="qserve-quality-") as tmp:
         for name in names:
             method = with_group_size(METHODS[name], args.group_size)
-            rows.append(run_method(model, method, ids, Path(tmp), args))
+            rows.append(run_method(model, method, ids, Path(tmp), args, heldout))
             r = rows[-1]
             quant = "-" if r.quant_seconds is None else f"{r.quant_seconds:.0f} s"
             log(f"  ppl {r.perplexity:.3f} ({r.path}), quantization {quant}")
@@ -433,6 +484,7 @@ def summarize(
         "eval_tokens_available": len(ids),
         "rows": [asdict(r) for r in rows],
         "recovery_of_rtn_gap": recovery({r.method: r for r in rows}),
+        "heldout_recovery_of_rtn_gap": recovery({r.method: r for r in rows}, "heldout_perplexity"),
         "third_party": third_party(names, args.group_size),
     }
 
@@ -442,14 +494,17 @@ def print_summary(summary: dict[str, Any]) -> None:
     s = summary["settings"]
     span = f"first {s['max_tokens']}" if s["max_tokens"] else "all"
     print(
-        f"{summary['model']}: perplexity on Moby-Dick ch. 1-10, {span} tokens in "
-        f"{s['seq_len']}-token windows ({rows[0].num_tokens} scored); calibration ch. 11-135, "
-        f"{s['num_samples']} x {s['calib_seq_len']} tokens; activations {s['dtype']}"
+        f"{summary['model']}: perplexity, {span} tokens in {s['seq_len']}-token windows, of "
+        f"Moby-Dick ch. 1-10 (in-domain, {rows[0].num_tokens} scored) and of State of the Union "
+        f"2010-2020 (held-out, {rows[0].heldout_num_tokens} scored); calibration: the bundled "
+        f"mix, {s['num_samples']} x {s['calib_seq_len']} tokens; activations {s['dtype']}"
     )
-    print(format_table(rows, rows[0].perplexity))
+    print(format_table(rows, rows[0].perplexity, rows[0].heldout_perplexity))
     labels = {r.method: r.label for r in rows}
+    held = summary.get("heldout_recovery_of_rtn_gap", {})
     for name, share in summary["recovery_of_rtn_gap"].items():
-        print(f"{labels[name]} recovers {100 * share:.0f}% of RTN's increase")
+        tail = f", held-out {100 * held[name]:.0f}%" if name in held else ""
+        print(f"{labels[name]} recovers {100 * share:.0f}% of RTN's increase in-domain{tail}")
     for label, state in summary["third_party"].items():
         print(f"{label}: {state}")
     for r in rows:

@@ -1,7 +1,11 @@
 """Calibration data: text from a .txt / .jsonl file (or the bundled default), cut into windows.
 
 The default is chapters 11-135 of Moby-Dick (public domain), bundled as
-`qserve/data/moby_dick_calib.txt`.
+`qserve/data/moby_dick_calib.txt`. `mixed` is the bundled mix of five kinds of public-domain /
+permissively licensed English text (fiction, drama, encyclopedia prose, Python documentation,
+Python code; `qserve.data.calibration_text`, sources in qserve/data/README.md), interleaved so
+every window count samples each source evenly: one book alone makes GPTQ fit that book (issue
+27). It becomes the default once it is measured to help on held-out text.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from qserve.data import CALIBRATION_FILE, read_text
+from qserve.data import CALIBRATION_FILE, calibration_text, read_text
 from qserve.errors import QServeError, read_user_text
 
 __all__ = ["load_calibration_text", "calibration_windows"]
@@ -21,9 +25,12 @@ __all__ = ["load_calibration_text", "calibration_windows"]
 
 def load_calibration_text(calib: str | Path | None = None) -> str:
     """Text of a .txt file, of a .jsonl file (field "text" of each line, or a bare string per
-    line), or of the bundled default when `calib` is None or "default"."""
+    line), of the bundled default (Moby-Dick) when `calib` is None or "default", or of the
+    bundled mix of five sources when it is "mixed"."""
     if calib is None or str(calib) == "default":
         return read_text(CALIBRATION_FILE)
+    if str(calib) == "mixed":
+        return calibration_text()
     path = Path(calib)
     if not path.is_file():
         raise QServeError(f"calibration file {path} does not exist", param="calib")

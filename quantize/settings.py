@@ -113,7 +113,9 @@ class QuantizeSettings:
         "embeddings).", default_text="off",
     )  # fmt: skip
     calib: str | Path | None = setting(
-        None, "Calibration .txt/.jsonl.", default_text="the bundled Moby-Dick chapters 11+"
+        None,
+        "Calibration .txt/.jsonl, or 'mixed' (the bundled five-source mix).",
+        default_text="the bundled Moby-Dick chapters 11+",
     )
     num_samples: Annotated[int, Range(1)] = setting(128, "Calibration windows.")
     seq_len: Annotated[int, Range(16)] = setting(512, "Tokens per calibration window.")

@@ -21,13 +21,15 @@ def test_json_is_written_after_every_row(monkeypatch: pytest.MonkeyPatch, tmp_pa
     seen: list[list[str]] = []
     out = tmp_path / "quality.json"
 
-    def run_method(model, method, ids, tmp, args):
+    def run_method(model, method, ids, tmp, args, heldout=None):
+        assert heldout == list(range(100))
         if out.exists():  # the rows before this one are already on disk
             seen.append([r["method"] for r in json.loads(out.read_text())["rows"]])
         return fake_row(method.name, ppl[method.name])
 
     monkeypatch.setattr(quality, "resolve_model", lambda name: name)
     monkeypatch.setattr(quality, "eval_tokens", lambda model: list(range(4096)))
+    monkeypatch.setattr(quality, "heldout_tokens", lambda model: list(range(100)))
     monkeypatch.setattr(quality, "run_method", run_method)
     args = ["--methods", "rtn,gptq", "--group-size", "64", "--output", str(out)]
     assert quality.main(args) == 0
@@ -35,6 +37,17 @@ def test_json_is_written_after_every_row(monkeypatch: pytest.MonkeyPatch, tmp_pa
     summary = json.loads(out.read_text())
     assert [r["method"] for r in summary["rows"]] == ["baseline", "rtn", "gptq"]
     assert summary["recovery_of_rtn_gap"]["gptq"] == pytest.approx(0.5)
+    assert summary["heldout_recovery_of_rtn_gap"] == {}  # the fake rows have no held-out ppl
+
+
+def test_recovery_on_the_heldout_column() -> None:
+    rows = {n: fake_row(n, p) for n, p in (("baseline", 60.0), ("rtn", 80.0), ("gptq", 70.0))}
+    for name, held in (("baseline", 20.0), ("rtn", 30.0), ("gptq", 22.0)):
+        rows[name].heldout_perplexity = held
+    assert quality.recovery(rows) == {"gptq": pytest.approx(0.5)}
+    assert quality.recovery(rows, "heldout_perplexity") == {"gptq": pytest.approx(0.8)}
+    table = quality.format_table(list(rows.values()), 60.0, 20.0)
+    assert "22.000" in table and "+10.00%" in table
 
 
 def test_max_tokens_zero_scores_every_token(

@@ -18,6 +18,14 @@ def test_default_text_is_bundled() -> None:
     assert len(text) > 1_000_000 and "# " not in text.splitlines()[0]
 
 
+def test_mixed_text_is_bundled() -> None:
+    """`mixed`: Moby-Dick first, then the other sources in turn."""
+    text = load_calibration_text("mixed")
+    assert text.startswith("CHAPTER 11.") and "CHAPTER 20." in text
+    assert "TWELFTH NIGHT" in text and "def " in text and "Stratford" in text
+    assert len(text) > 400_000 and "# " not in text.splitlines()[0]
+
+
 def test_txt_and_jsonl(tmp_path) -> None:
     (tmp_path / "a.txt").write_text("hello world")
     assert load_calibration_text(tmp_path / "a.txt") == "hello world"

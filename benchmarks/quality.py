@@ -37,9 +37,8 @@ size (no format has partial groups): 128 for most models, 64 for SmolLM2 (hidden
 Prints a table and writes JSON.
 
 `--model gemma3-270m` gives the Gemma 3 270M rows (`results/quality_gemma3_270m.json`: qserve's
-methods, fp32, all of ch. 1-10). Its perplexities are high because only the first window starts
-with <bos>, which Gemma needs: with <bos> prepended to each 512-token window transformers gives
-58.4 instead of 169.1 on windows 1-8, so compare its rows with each other only.
+methods, fp32, all of ch. 1-10, in-domain only: measured before the held-out column existed).
+Every window starts with the tokenizer's prefix (Gemma's <bos>, which it needs).
 """
 
 from __future__ import annotations

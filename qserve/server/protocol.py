@@ -291,7 +291,9 @@ class ChatCompletionRequest(SamplingRequest):
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         max_tokens = _or(_or(self.max_completion_tokens, self.max_tokens), default_max_tokens)
         params = self.to_sampling_params(max_tokens, logprobs)
-        constraint = tool_choice_constraint(self.tools or [], self.tool_choice)
+        constraint = tool_choice_constraint(
+            self.tools or [], self.tool_choice, self.parallel_tool_calls
+        )
         if constraint is None:
             return params
         if params.structured_outputs is not None:

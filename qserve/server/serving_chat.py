@@ -112,7 +112,7 @@ class OpenAIServingChat(OpenAIServing):
         choices = []
         for c in output.outputs:
             read = read_output(c.text, request.tools or [], request.tool_choice, self.tool_parser,
-                               c.finish_reason)  # fmt: skip
+                               c.finish_reason, request.parallel_tool_calls)  # fmt: skip
             calls = [ToolCall(id=call_id(), function=FunctionCall(name=t.name,
                                                                   arguments=t.arguments))
                      for t in read.calls]  # fmt: skip
@@ -143,8 +143,8 @@ class OpenAIServingChat(OpenAIServing):
     ) -> AsyncIterator[str]:
         sent_tokens = [0] * request.n
         finished = [False] * request.n
-        tool_streams = [ToolStream(request.tools or [], request.tool_choice, self.tool_parser)
-                        for _ in range(request.n)]  # fmt: skip
+        tools = (request.tools or [], request.tool_choice, self.tool_parser)
+        tool_streams = [ToolStream(*tools, request.parallel_tool_calls) for _ in range(request.n)]
         final: RequestOutput | None = None
         try:
             for index in range(request.n):

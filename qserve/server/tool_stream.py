@@ -24,6 +24,7 @@ class ToolStream:
     tools: list[ChatCompletionTool]
     choice: ToolChoice | None
     parser: ToolParser | None
+    parallel: bool = True  # OpenAI's parallel_tool_calls: False keeps one call
     text: str = ""
     sent: int = 0  # characters of `text` sent as content (auto) or as arguments (named)
     holding: bool = False  # auto: a call may have begun
@@ -66,7 +67,8 @@ class ToolStream:
 
     def _at_end(self, finished: bool, finish_reason: str | None
                 ) -> tuple[DeltaMessage | None, str | None]:  # fmt: skip
-        out = read_output(self.text, self.tools, self.choice, self.parser, finish_reason)
+        out = read_output(self.text, self.tools, self.choice, self.parser, finish_reason,
+                          self.parallel)  # fmt: skip
         content = None
         if out.content is not None:
             sent = self.text[: self.sent]

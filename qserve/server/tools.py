@@ -34,9 +34,10 @@ def effective_choice(tools: list[ChatCompletionTool], choice: ToolChoice | None)
 
 
 def tool_choice_constraint(
-    tools: list[ChatCompletionTool], choice: ToolChoice | None
+    tools: list[ChatCompletionTool], choice: ToolChoice | None, parallel: bool = True
 ) -> StructuredOutputsParams | None:
-    """The grammar a required or named tool choice puts on the output (None otherwise)."""
+    """The grammar a required or named tool choice puts on the output (None otherwise);
+    `parallel` False (OpenAI's parallel_tool_calls) allows one call."""
     choice = effective_choice(tools, choice)
     if isinstance(choice, NamedToolChoice):
         return StructuredOutputsParams(json=_parameters(named_tool(tools, choice)),
@@ -44,7 +45,10 @@ def tool_choice_constraint(
     if choice == "required":
         if not tools:
             raise QServeError('tool_choice "required" needs tools', param="tool_choice")
-        return StructuredOutputsParams(json=_required_schema(tools), param="tool_choice")
+        schema = _required_schema(tools)
+        if not parallel:
+            schema["maxItems"] = 1
+        return StructuredOutputsParams(json=schema, param="tool_choice")
     return None
 
 
@@ -93,8 +97,10 @@ def read_output(
     choice: ToolChoice | None,
     parser: ToolParser | None,
     finish_reason: str | None,
+    parallel: bool = True,
 ) -> ToolOutput:
-    """The content and calls of a finished output under the request's tool choice."""
+    """The content and calls of a finished output under the request's tool choice (with
+    `parallel` False, only the first call of an `auto` output)."""
     choice = effective_choice(tools, choice)
     if isinstance(choice, NamedToolChoice):
         return ToolOutput(None, [ParsedCall(choice.function.name, text)], finish_reason)
@@ -103,6 +109,7 @@ def read_output(
         return ToolOutput(None if calls else text, calls, "tool_calls" if calls else finish_reason)
     if choice == "auto" and parser is not None:
         content, calls = parser.extract(text)
+        calls = calls if parallel else calls[:1]
         return ToolOutput(content, calls, "tool_calls" if calls else finish_reason)
     return ToolOutput(text, [], finish_reason)
 

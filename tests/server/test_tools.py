@@ -81,14 +81,32 @@ def test_required_tool_choice_always_validates(tool_client: openai.OpenAI) -> No
 
 def test_auto_with_the_hermes_parser(tool_client: openai.OpenAI) -> None:
     pinned = {"structured_outputs": {"regex": "Let me check\\.\\n" + _regex_literal(CALL)}}
+    # at least one character a token: room for the whole pinned text, however it is split
     choice = tool_client.chat.completions.create(
-        model=MODEL_NAME, messages=MESSAGES, tools=TOOLS, max_tokens=80, extra_body=pinned,
+        model=MODEL_NAME, messages=MESSAGES, tools=TOOLS, max_tokens=200, seed=0,
+        extra_body=pinned,
     ).choices[0]  # fmt: skip
     assert choice.finish_reason == "tool_calls"
     assert choice.message.content == "Let me check.\n"  # the text before the call
     [call] = choice.message.tool_calls
     assert call.function.name == "get_weather"
     assert json.loads(call.function.arguments) == {"city": "Paris", "unit": "celsius", "days": 2}
+
+
+def test_parallel_tool_calls_false_gives_one_call(tool_client: openai.OpenAI) -> None:
+    for seed in range(4):
+        choice = tool_client.chat.completions.create(
+            model=MODEL_NAME, messages=MESSAGES, tools=TOOLS, temperature=1.0, seed=seed,
+            tool_choice="required", parallel_tool_calls=False, max_tokens=200,
+        ).choices[0]  # fmt: skip
+        assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1
+    two = "Go.\n" + CALL + "\n" + CALL  # 225 characters: at most 225 tokens (and EOS)
+    pinned = {"structured_outputs": {"regex": _regex_literal(two)}}
+    choice = tool_client.chat.completions.create(
+        model=MODEL_NAME, messages=MESSAGES, tools=TOOLS, max_tokens=236, seed=0,
+        parallel_tool_calls=False, extra_body=pinned,
+    ).choices[0]  # fmt: skip
+    assert len(choice.message.tool_calls) == 1  # auto: the first of the two
 
 
 def test_auto_without_a_call_is_content(tool_client: openai.OpenAI) -> None:

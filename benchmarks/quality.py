@@ -191,7 +191,10 @@ def quantize(model: Path, method: Method, out: Path, args: argparse.Namespace) -
         model,
         out,
         QuantizeSettings(
-            num_samples=args.num_samples, seq_len=args.calib_seq_len, **method.quantize
+            calib=args.calib,
+            num_samples=args.num_samples,
+            seq_len=args.calib_seq_len,
+            **method.quantize,
         ),
     )
     return time.monotonic() - start
@@ -217,7 +220,7 @@ def calibration_ids(model: Path, args: argparse.Namespace) -> torch.Tensor:
     from qserve.quantize.calibration import calibration_windows, load_calibration_text
 
     tokenizer = AutoTokenizer.from_pretrained(model)
-    text = load_calibration_text(None)
+    text = load_calibration_text(args.calib)
     return calibration_windows(tokenizer, text, args.num_samples, args.calib_seq_len)
 
 
@@ -516,6 +519,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--methods", default=",".join(n for n in METHODS if n != "baseline"))
     p.add_argument("--group-size", default="auto", choices=["auto", "128", "64", "32", "-1"])
+    p.add_argument(
+        "--calib", default="default", help="default (Moby-Dick ch. 11+), mixed, or a file."
+    )
     p.add_argument("--num-samples", type=int, default=32, help="Calibration windows.")
     p.add_argument("--calib-seq-len", type=int, default=256, help="Tokens per calibration window.")
     p.add_argument("--seq-len", type=int, default=512, help="Evaluation window.")

@@ -28,6 +28,7 @@ from torch import Tensor, nn
 
 from qserve.quantize.arch import ArchSpec
 from qserve.quantize.capture import collect_inputs
+from qserve.quantize.dynamic import Scheme
 from qserve.quantize.moe import float_expert_input
 from qserve.quantize.settings import QuantizeSettings, is_ignored_in
 
@@ -66,7 +67,13 @@ class BlockContext:
         return [n for n in self.spec.linears if not self._ignored(self.prefix + n)]
 
     def _ignored(self, name: str) -> bool:
+        if self.s.dynamic and self.s.scheme_of(self.spec.checkpoint_name(name)).dense:
+            return True  # a "-:" dynamic rule: left 16-bit
         return is_ignored_in(self.spec, name, self.s.ignore)
+
+    def scheme(self, name: str) -> Scheme:
+        """The scheme of the block's linear `name` (relative): its dynamic rule's, or the run's."""
+        return self.s.scheme_of(self.spec.checkpoint_name(self.prefix + name))
 
     @functools.cached_property
     def min_tokens(self) -> int:

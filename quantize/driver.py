@@ -56,6 +56,7 @@ from qserve.platform import resolve_device
 from qserve.quantize import export, offload
 from qserve.quantize import output_dir as output_dir_rules
 from qserve.quantize.arch import ArchSpec, arch_spec
+from qserve.quantize.auto import run as auto_run
 from qserve.quantize.block_context import FEW_TOKENS_FRACTION, BlockContext, Reference
 from qserve.quantize.calibration import calibration_windows, load_calibration_text
 from qserve.quantize.capture import capture_block_inputs
@@ -126,6 +127,18 @@ def quantize_model(
     from transformers import AutoConfig, AutoTokenizer
 
     settings = settings if settings is not None else QuantizeSettings()
+    if settings.method == "auto":  # measure, allocate, then this function once per attempt
+        if output_dir is None:
+            output_dir = default_output_dir(model_name or Path(model_path).name, settings)
+
+        def attempt(s: QuantizeSettings, folder: Path) -> Path:
+            return quantize_model(model_path, folder, s, device=device, offload_dir=offload_dir,
+                                  progress=progress, provenance=provenance)  # fmt: skip
+
+        return auto_run.quantize_auto(
+            Path(model_path), Path(output_dir), settings, quantize=attempt, overwrite=overwrite,
+            cache_dir=auto_cache_dir(), progress=progress, provenance=provenance,
+        )  # fmt: skip
     working_device = resolve_device(device)
     float_dtype = out_dtype(settings.dtype, settings.method)
     if not Path(model_path, "config.json").is_file():
@@ -195,6 +208,13 @@ def _fallback_record(spec: ArchSpec, fallbacks: dict[str, int]) -> dict[str, Any
         len(names), rule, *next(iter(names.items())),
     )  # fmt: skip
     return {"few_token_fallback": {"rule": rule, "linears": names}}
+
+
+def auto_cache_dir() -> Path:
+    """Where `--method auto` keeps its measurements (`qserve.quantize.auto.measure`)."""
+    from qserve.model.builtin import cache_dir
+
+    return cache_dir() / "autoquant"
 
 
 def default_output_dir(model_name: str, settings: QuantizeSettings) -> Path:

@@ -44,6 +44,7 @@ from torch import Tensor, nn
 from qserve.errors import QServeError
 from qserve.kernels import packing
 from qserve.quantize.arch import ArchSpec
+from qserve.quantize.dynamic import Scheme, disjoint_rules, gptq_dynamic
 from qserve.quantize.kv_scales import kv_scale
 from qserve.quantize.results import BlockResults
 from qserve.quantize.rtn import QuantizedWeight
@@ -320,6 +321,11 @@ def quantization_config(
     )  # fmt: skip
     if "lm_head" in quantized:
         qconfig["lm_head"] = True
+    if s.dynamic:  # per-module schemes: GPTQModel's format, read by vLLM and qserve
+        names = [spec.checkpoint_name(n) for n, m in model.named_modules()]
+        names = [n for n, m in zip(names, model.modules()) if isinstance(m, nn.Linear)]
+        default = Scheme(s.bits, s.group_size)
+        qconfig["dynamic"] = gptq_dynamic(disjoint_rules(s.rules, names, default))
     if any(n.startswith(f"{spec.blocks}.") for n in skipped):
         # optimum/GPTQModel's way of naming the linears that carry quantized tensors
         qconfig["modules_in_block_to_quantize"] = _block_modules(model, spec, quantized)
@@ -328,18 +334,19 @@ def quantization_config(
 
 def _block_modules(model: nn.Module, spec: ArchSpec, quantized: set[str]) -> list[list[str]]:
     """The quantized linears of a block per sequential group, relative to the block, as
-    checkpoints name them; the groups of every kind of block (sparse and dense MoE layers)."""
-    groups: list[list[str]] = []
-    kinds: set[ArchSpec] = set()
+    checkpoints name them: a linear quantized in any block is listed (a "-:" dynamic rule may
+    leave it dense in some); the groups of every kind of block (sparse and dense MoE layers)."""
+    found: dict[tuple[ArchSpec, int], dict[str, None]] = {}
     for b, block in enumerate(model.get_submodule(spec.blocks)):
         block_spec = spec.for_block(block)
-        if block_spec in kinds:
-            continue  # the first block of each kind names them
-        kinds.add(block_spec)
         prefix = f"{spec.blocks}.{b}."
-        for group in block_spec.sequential:
+        for g, group in enumerate(block_spec.sequential):
             names = [spec.checkpoint_name(prefix + n) for n in group if prefix + n in quantized]
-            names = [n.removeprefix(prefix) for n in names]
-            if not (names and names in groups):  # attention's, in both kinds of MoE layer
-                groups.append(names)
+            found.setdefault((block_spec, g), {}).update(
+                dict.fromkeys(n.removeprefix(prefix) for n in names)
+            )
+    groups: list[list[str]] = []
+    for names in found.values():
+        if not names or list(names) not in groups:  # attention's, in both kinds of MoE layer
+            groups.append(list(names))
     return groups

@@ -86,8 +86,9 @@ def _gptq_block(ctx: BlockContext) -> dict[str, QuantizedWeight]:
                 out[n] = _set_weight(ctx.linear(n), _rtn(ctx, n))
                 continue
             W = ctx.linear(n).weight.data
+            scheme = ctx.scheme(n)
             qw = gptq_quantize(
-                W, H, s.bits, s.group_size, s.sym, s.damp,
+                W, H, scheme.bits, scheme.group_size, s.sym, s.damp,
                 desc_act=s.desc_act, static_groups=s.static_groups, min_zero=s.min_zero,
                 mse=s.mse, act_group_aware=s.act_group_aware,
                 dXXT=dxxt[0] if dxxt is not None else None, gptaq_alpha=s.gptaq_alpha,
@@ -106,7 +107,11 @@ def _rtn_block(ctx: BlockContext) -> dict[str, QuantizedWeight]:
 
 def _rtn(ctx: BlockContext, name: str) -> QuantizedWeight:
     s = ctx.s
-    return rtn_quantize(ctx.linear(name).weight.data, s.bits, s.group_size, s.sym, s.min_zero)
+    if s.method == "awq":
+        return rtn_quantize(ctx.linear(name).weight.data, s.bits, s.group_size, s.sym, s.min_zero)
+    scheme = ctx.scheme(name)  # rtn / gptq: a dynamic rule may set its own
+    W = ctx.linear(name).weight.data
+    return rtn_quantize(W, scheme.bits, scheme.group_size, s.sym, s.min_zero)
 
 
 def _w8_block(ctx: BlockContext) -> dict[str, W8Weight]:

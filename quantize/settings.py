@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal, get_args
 from qserve.errors import QServeError
 from qserve.options import Range, check_fields, setting
 from qserve.quantize.arch import ArchSpec
+from qserve.quantize.dynamic import DynamicRule, Scheme, parse_rules, scheme_for
 
 if TYPE_CHECKING:
     import torch
@@ -33,7 +34,7 @@ __all__ = [
     "out_dtype",
 ]
 
-Method = Literal["rtn", "gptq", "awq", "int8", "fp8"]
+Method = Literal["rtn", "gptq", "awq", "int8", "fp8", "auto"]
 GroupSize = Literal[-1, 32, 64, 128, "auto"]
 KVCacheDtype = Literal["auto", "fp8_e4m3", "fp8_e5m2"]
 METHODS: tuple[str, ...] = get_args(Method)
@@ -45,21 +46,26 @@ GROUP_SIZES = (128, 64, 32)  # what the formats and kernels take; "auto" picks t
 METHOD_DEFAULTS: dict[str, dict[str, Any]] = {
     "bits": {"rtn": 4, "gptq": 4, "awq": 4, "int8": 8, "fp8": 8},
     "group_size": {"rtn": "auto", "gptq": "auto", "awq": "auto"},
-    "sym": {"rtn": True, "gptq": True, "awq": False},
+    "sym": {"rtn": True, "gptq": True, "awq": False, "auto": True},
     "desc_act": {"gptq": False},
-    "damp": {"gptq": 0.01, "int8": 0.01, "fp8": 0.01},
-    "static_groups": {"gptq": False},
-    "mse": {"gptq": False},
-    "act_group_aware": {"gptq": True},
-    "gptaq": {"gptq": True},
-    "gptaq_alpha": {"gptq": 0.25},
+    "damp": {"gptq": 0.01, "int8": 0.01, "fp8": 0.01, "auto": 0.01},
+    "static_groups": {"gptq": False, "auto": False},
+    "mse": {"gptq": False, "auto": False},
+    "act_group_aware": {"gptq": True, "auto": True},
+    "gptaq": {"gptq": True, "auto": True},
+    "gptaq_alpha": {"gptq": 0.25, "auto": 0.25},
     "quantize_lm_head": {"rtn": False, "gptq": False},
+    "dynamic": {"rtn": (), "gptq": ()},
+    # auto: exactly one budget is given (checked in __post_init__)
+    "max_ppl_increase": {"auto": None},
+    "target_bits": {"auto": None},
+    "measure_samples": {"auto": 4},
     "smooth_alpha": {"int8": 0.5},
     "weight_strategy": {"int8": "channel", "fp8": "channel"},
     "activation_scheme": {"int8": "dynamic", "fp8": "dynamic"},
     "gptq_weights": {"int8": True, "fp8": True},
 }
-METHOD_BITS = {"rtn": (4, 8), "gptq": (4, 8), "awq": (4,), "int8": (8,), "fp8": (8,)}
+METHOD_BITS = {"rtn": (4, 8), "gptq": (4, 8), "awq": (4,), "int8": (8,), "fp8": (8,), "auto": ()}
 GPTQ_DAMP = 0.01  # what a GPTQ-format config records as damp_percent when no Hessian was damped
 
 
@@ -70,7 +76,8 @@ class QuantizeSettings:
 
     method: Method = setting(
         "gptq",
-        "rtn/gptq -> GPTQ format, awq -> AWQ gemm, int8/fp8 -> compressed-tensors.",
+        "rtn/gptq -> GPTQ format, awq -> AWQ gemm, int8/fp8 -> compressed-tensors; auto -> the "
+        "smallest mixed GPTQ checkpoint meeting --max-ppl-increase (or --target-bits).",
         flag="-m,--method",
     )
     bits: Literal[4, 8] | None = setting(None, "4 or 8 (rtn/gptq).", default_text="4; int8/fp8: 8")
@@ -112,6 +119,22 @@ class QuantizeSettings:
         None, "rtn/gptq: quantize lm_head too (same method, bits and groups; untied from the "
         "embeddings).", default_text="off",
     )  # fmt: skip
+    dynamic: tuple[str, ...] | None = setting(
+        None, "rtn/gptq: per-module scheme, GPTQModel's `dynamic`: 'REGEX=w8ch', 'REGEX=w4g32' "
+        "or '-:REGEX' (left 16-bit); the first rule whose REGEX matches a module's checkpoint "
+        "name decides; repeatable.", default_text="none",
+    )  # fmt: skip
+    max_ppl_increase: str | None = setting(
+        None, "auto: the largest perplexity increase allowed on held-out text, in percent (1% or "
+        "1); the checkpoint is the smallest that meets it, verified before it is written.",
+    )  # fmt: skip
+    target_bits: Annotated[float, Range(2.5, 16)] | None = setting(
+        None, "auto: bits per weight of the quantized linears (scales, zeros and g_idx counted); "
+        "the least predicted error within that size.",
+    )  # fmt: skip
+    measure_samples: Annotated[int, Range(1)] | None = setting(
+        None, "auto: calibration windows of the measurement pass (cached).", default_text="4"
+    )
     calib: str | Path | None = setting(
         None,
         "Calibration .txt/.jsonl, or 'mixed' (the bundled five-source mix).",
@@ -150,6 +173,10 @@ class QuantizeSettings:
         for name, defaults in METHOD_DEFAULTS.items():
             if getattr(self, name) is None and self.method in defaults:
                 object.__setattr__(self, name, defaults[self.method])
+        if self.method == "auto":
+            self._check_auto()
+        if self.dynamic:
+            parse_rules(self.dynamic)  # a malformed rule: one line now, not after calibration
         if self.method == "awq" and self.group_size == -1:
             raise QServeError("group_size: awq needs a group size (32, 64, 128)", "group_size")
 
@@ -166,6 +193,46 @@ class QuantizeSettings:
             raise QServeError(f"bits: {m} takes bits {allowed}, got {self.bits}", "bits")
         if m == "awq" and self.sym:
             raise QServeError("sym: only rtn, gptq use it, but method is awq (asymmetric)", "sym")
+
+    def _check_auto(self) -> None:
+        budgets = [n for n in ("max_ppl_increase", "target_bits") if getattr(self, n) is not None]
+        if len(budgets) != 1:
+            raise QServeError(
+                "method auto needs one budget: --max-ppl-increase PERCENT or --target-bits BITS"
+                + (f" (got both: {', '.join(budgets)})" if budgets else ""),
+                "max_ppl_increase",
+            )
+        if self.max_ppl_increase is not None:
+            self.max_increase  # noqa: B018 - parses it: a bad value fails here, not later
+
+    @property
+    def max_increase(self) -> float | None:
+        """--max-ppl-increase as a fraction (0.01 for 1%), None when not given."""
+        if self.max_ppl_increase is None:
+            return None
+        text = str(self.max_ppl_increase).strip().removesuffix("%")
+        try:
+            value = float(text)
+        except ValueError:
+            value = -1.0
+        if not 0 < value < 1000:
+            raise QServeError(
+                f"max_ppl_increase: expected a percentage above 0, such as 1% or 0.5, got "
+                f"{self.max_ppl_increase!r}",
+                "max_ppl_increase",
+            )
+        return value / 100
+
+    @property
+    def rules(self) -> tuple[DynamicRule, ...]:
+        return parse_rules(self.dynamic or ())
+
+    def scheme_of(self, name: str) -> Scheme:
+        """The scheme of linear `name` (as the checkpoint names it): its `dynamic` rule's, else
+        the run's bits and group size (resolved: not "auto")."""
+        group_size = self.group_size if isinstance(self.group_size, int) else -1
+        default = Scheme(self.bits or 16, group_size)
+        return scheme_for(name, self.rules, default)
 
     @property
     def lm_head_needs_inputs(self) -> bool:
@@ -190,7 +257,7 @@ class QuantizeSettings:
             self.activation_scheme == "static" or self.gptq_weights
         ):
             return True
-        return self.method == "gptq" or (self.searches_scales and not replay)
+        return self.method in ("gptq", "auto") or (self.searches_scales and not replay)
 
     @property
     def scheme_name(self) -> str:
@@ -200,27 +267,34 @@ class QuantizeSettings:
             return "int8-w8a8"
         if self.method == "fp8":
             return "fp8"
+        if self.method == "auto":
+            return "gptq-auto"
         groups = "ch" if self.group_size == -1 else f"g{self.group_size}"
-        return f"{self.method}-w{self.bits}{groups}"
+        mixed = "-mixed" if self.dynamic else ""
+        return f"{self.method}-w{self.bits}{groups}{mixed}"
 
     @property
     def min_zero(self) -> int:
         # GPTQ v1 stores zero - 1: asymmetric zeros of 0 are not representable.
-        return 1 if self.method in ("rtn", "gptq") else 0
+        return 1 if self.method in ("rtn", "gptq", "auto") else 0
 
 
 def check_group_size(model: nn.Module, spec: ArchSpec, settings: QuantizeSettings) -> None:
     """One-line error, before any calibration, when the group size does not divide the input
     size of a linear that would be quantized (the formats have no partial groups)."""
     gs = settings.group_size
-    if settings.method not in ("rtn", "gptq", "awq") or gs == -1:
+    if settings.method not in ("rtn", "gptq", "awq") or (gs == -1 and not settings.dynamic):
         return
     for b, block in enumerate(model.get_submodule(spec.blocks)):
         for name in spec.for_block(block).linears:
             full = f"{spec.blocks}.{b}.{name}"
             K = block.get_submodule(name).in_features
-            if K % gs and not is_ignored_in(spec, full, settings.ignore):
-                raise _group_size_error(gs, spec.checkpoint_name(full), K)
+            scheme = settings.scheme_of(spec.checkpoint_name(full)) if settings.dynamic else None
+            g = scheme.group_size if scheme is not None and not scheme.dense else gs
+            if scheme is not None and scheme.dense or g == -1:
+                continue
+            if K % g and not is_ignored_in(spec, full, settings.ignore):
+                raise _group_size_error(g, spec.checkpoint_name(full), K)
     K = model.get_output_embeddings().in_features
     if settings.quantize_lm_head and K % gs:
         raise _group_size_error(gs, "lm_head", K)
@@ -233,7 +307,8 @@ def auto_group_size(model: nn.Module, spec: ArchSpec, settings: QuantizeSettings
         return GROUP_SIZES[0]  # int8 / fp8 are per channel or per tensor: not read
     for gs in GROUP_SIZES:
         try:
-            check_group_size(model, spec, dataclasses.replace(settings, group_size=gs))
+            plain = dataclasses.replace(settings, group_size=gs, dynamic=settings.dynamic and ())
+            check_group_size(model, spec, plain)
         except QServeError:
             continue
         return gs
@@ -285,7 +360,7 @@ def out_dtype(dtype: str | None, method: str) -> torch.dtype:
     import torch
 
     if dtype is None:
-        return torch.float16 if method in ("rtn", "gptq", "awq") else torch.bfloat16
+        return torch.float16 if method in ("rtn", "gptq", "awq", "auto") else torch.bfloat16
     choices = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
     if dtype not in choices:
         raise QServeError(f"dtype must be one of {', '.join(choices)}, got {dtype!r}", "dtype")

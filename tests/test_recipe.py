@@ -116,7 +116,8 @@ def test_wrong_type(tmp_path):
 
 def test_unknown_method_lists_the_methods(tmp_path):
     message = error_of(tmp_path, base(**{"quantize.method": "nf4"}))
-    assert "quantize.method: 'nf4' is not allowed (allowed: rtn, gptq, awq, int8, fp8)" in message
+    allowed = "rtn, gptq, awq, int8, fp8, auto"
+    assert f"quantize.method: 'nf4' is not allowed (allowed: {allowed})" in message
 
 
 def test_unknown_kv_cache_dtype(tmp_path):

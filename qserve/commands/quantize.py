@@ -29,6 +29,8 @@ def quantize_options(func: Callable[..., Any]) -> Callable[..., Any]:
                      "safetensors), so models larger than memory quantize; a temporary subfolder "
                      "is removed at the end."),
         click.option("--overwrite", is_flag=True, help="Replace a non-empty output folder."),
+        click.option("--dry-run", is_flag=True, help="auto: print the allocation (unit, scheme, "
+                     "bytes, predicted error) without quantizing."),
         click.option("-q", "--quiet", is_flag=True, help="No progress bar."),
         click.option("--recipe", default=None, help=RECIPE_HELP + "; explicit flags win."),
     ]  # fmt: skip
@@ -47,6 +49,7 @@ def quantize(
     device: str | None,
     offload_dir: str | None,
     overwrite: bool,
+    dry_run: bool,
     quiet: bool,
     **kw: Any,
 ) -> None:
@@ -65,6 +68,9 @@ def quantize(
 
     hf_logging.disable_progress_bar()  # ours shows blocks done and time left
     settings, recipe = settings_from_cli(QuantizeSettings, kw, "quantize")
+    if dry_run:
+        _dry_run(resolve_model(model), settings, quiet)
+        return
     start = time.monotonic()
     folder = quantize_model(
         resolve_model(model),
@@ -81,6 +87,24 @@ def quantize(
     if not quiet:
         click.echo("", err=True)
     click.echo(f"wrote {folder} ({settings.method}, {time.monotonic() - start:.0f} s)")
+
+
+def _dry_run(model_path: Any, settings: Any, quiet: bool) -> None:
+    """Measure (or read the cached measurement) and print the allocation; nothing is written."""
+    from pathlib import Path
+
+    from qserve.errors import QServeError
+    from qserve.quantize.auto.run import format_allocation, plan_auto
+    from qserve.quantize.driver import auto_cache_dir
+
+    if settings.method != "auto":
+        raise QServeError("--dry-run: only --method auto plans before it quantizes", "dry_run")
+    m, allocation = plan_auto(
+        Path(model_path), settings, auto_cache_dir(), None if quiet else _progress_bar
+    )
+    if not quiet:
+        click.echo("", err=True)
+    click.echo(format_allocation(m, allocation))
 
 
 def _progress_bar(done: int, total: int, seconds_left: float) -> None:

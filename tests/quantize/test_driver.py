@@ -500,7 +500,7 @@ def test_method_defaults_gptaq_and_gptq_rounding() -> None:
         assert QuantizeSettings(method=method).needs_calibration()
     assert not QuantizeSettings(method="fp8", gptq_weights=False).needs_calibration()
     assert not QuantizeSettings(method="rtn").gptq_weights
-    with pytest.raises(QServeError, match="gptaq: only gptq uses it, but method is awq"):
+    with pytest.raises(QServeError, match="gptaq: only gptq, auto use it, but method is awq"):
         QuantizeSettings(method="awq", gptaq=True)
     not_gptq = "gptq_weights: only int8, fp8 use it, but method is gptq"
     with pytest.raises(QServeError, match=not_gptq):

@@ -79,3 +79,86 @@ def test_gptqmodel_dynamic_checkpoint_loads_in_qserve(checkpoint: Path) -> None:
         theirs = loaded.model(torch.tensor([prompt])).logits[0].float()
     err = rel_err(ours(checkpoint, prompt)[0], theirs)
     assert err <= FP16, f"against gptqmodel's loader: relative logits error {err:.2e}"
+
+
+# qserve's own mixed checkpoints: `--dynamic` rules (quantize/dynamic.py), the same mix as DYNAMIC
+RULES = (r"-:.*\.0\.self_attn\.o_proj", r".*down_proj=w8ch", r".*\.1\.mlp\.(gate|up)_proj=w4g64")
+
+
+@pytest.fixture(scope="module")
+def ours_mixed(tmp_path_factory: pytest.TempPathFactory, tiny_llama: Path) -> Path:
+    from qserve.quantize.driver import quantize_model
+    from qserve.quantize.settings import QuantizeSettings
+
+    out = tmp_path_factory.mktemp("qserve-dynamic") / "ckpt"
+    settings = QuantizeSettings(group_size=32, dynamic=RULES, num_samples=4, seq_len=64)
+    return quantize_model(tiny_llama, out, settings)
+
+
+def test_qserve_writes_dynamic_rules_gptqmodel_reads(ours_mixed: Path) -> None:
+    import json
+
+    from safetensors.torch import load_file
+
+    qc = json.loads((ours_mixed / "config.json").read_text())["quantization_config"]
+    assert qc["dynamic"] == {
+        r"-:.*\.0\.self_attn\.o_proj": {},
+        r"+:.*down_proj": {"bits": 8, "group_size": -1},
+        r"+:.*\.1\.mlp\.(gate|up)_proj": {"bits": 4, "group_size": 64},
+    }
+    sd = load_file(str(ours_mixed / "model.safetensors"))
+    assert "model.layers.0.self_attn.o_proj.weight" in sd  # left 16-bit
+    assert "model.layers.1.self_attn.o_proj.qweight" in sd
+    down = sd["model.layers.0.mlp.down_proj.qweight"]  # 8-bit: 4 codes per int32 row
+    assert down.shape[0] * 4 == sd["model.layers.0.mlp.down_proj.g_idx"].numel()
+    assert sd["model.layers.0.mlp.down_proj.scales"].shape[0] == 1  # one group: per channel
+    assert sd["model.layers.1.mlp.up_proj.scales"].shape[0] == 128 // 64
+    assert sd["model.layers.0.mlp.up_proj.scales"].shape[0] == 128 // 32
+
+
+def test_qserve_mixed_checkpoint_matches_gptqmodel_loader(ours_mixed: Path) -> None:
+    pytest.importorskip("optimum")
+    try:
+        gptqmodel = third_party.import_gptqmodel()
+    except ImportError as exc:
+        pytest.skip(f"could not import 'gptqmodel': {exc}")
+    model, _ = load_model(ours_mixed, torch.float32)
+    # config.json's keys are sorted (as transformers writes them): the rules are disjoint
+    assert model.load_report.scheme == "gptq: gptq w4a16 g32, gptq w4a16 g64, gptq w8a16 channel"
+    prompt = torch.randint(0, 320, (40,), generator=torch.Generator().manual_seed(1)).tolist()
+    loaded = gptqmodel.GPTQModel.load(
+        str(ours_mixed), backend=gptqmodel.BACKEND.TORCH, device="cpu", dtype=torch.float16
+    )
+    assert loaded.model.model.layers[0].mlp.down_proj.bits == 8
+    with torch.inference_mode():
+        theirs = loaded.model(torch.tensor([prompt])).logits[0].float()
+    err = rel_err(ours(ours_mixed, prompt)[0], theirs)
+    assert err <= FP16, f"against gptqmodel's loader: relative logits error {err:.2e}"
+
+
+def test_bad_dynamic_rule_is_refused_before_calibration() -> None:
+    from qserve.errors import QServeError
+    from qserve.quantize.settings import QuantizeSettings
+
+    for rule, message in [("(=w4g32", "regex"), (".*=w3g32", "unknown scheme"), (".*", "REGEX=")]:
+        with pytest.raises(QServeError, match=message) as info:
+            QuantizeSettings(dynamic=(rule,))
+        assert "\n" not in str(info.value)
+    with pytest.raises(QServeError, match="only rtn, gptq"):
+        QuantizeSettings(method="awq", dynamic=(".*=w8ch",))
+
+
+def test_overlapping_rules_are_written_as_exact_names() -> None:
+    """Sorted keys would reorder overlapping rules: they are written as one exact rule per
+    scheme, which any order reads the same."""
+    from qserve.quantize.dynamic import Scheme, disjoint_rules, gptq_dynamic, parse_rules
+
+    names = [f"model.layers.{i}.mlp.{p}_proj" for i in range(2) for p in ("up", "down")]
+    rules = parse_rules([r".*\.1\.mlp\.down_proj=w4g32", r"-:.*\.1\.", r".*down_proj=w8ch"])
+    written = gptq_dynamic(disjoint_rules(rules, names, Scheme(4, 64)))
+    assert written == {
+        r"+:(?:model\.layers\.0\.mlp\.down_proj)$": {"bits": 8, "group_size": -1},
+        r"+:(?:model\.layers\.1\.mlp\.down_proj)$": {"bits": 4, "group_size": 32},
+        r"-:(?:model\.layers\.1\.mlp\.up_proj)$": {},
+    }
+    assert disjoint_rules(rules[2:], names, Scheme(4, 64)) == rules[2:]  # no overlap: as given

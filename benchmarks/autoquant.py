@@ -1,0 +1,304 @@
+"""Quality-budgeted quantization (issue 21): checkpoint size against perplexity for `--method
+auto` at several budgets, beside uniform schemes and a llama.cpp-style mix, in one run.
+
+    python benchmarks/autoquant.py [--model smollm2-135m] [--budgets 0.5,1,2,5,10]
+        [--num-samples 32] [--eval-tokens 4096] [--num-threads 2]
+        [--output benchmarks/results/autoquant.json] [--chart benchmarks/results/autoquant.png]
+
+Rows, each a GPTQ checkpoint written by `quantize_model` (GPTAQ on, calibrated on the default
+text, Moby-Dick ch. 11+, `--num-samples` x 512 tokens):
+
+    uniform      W4 at every group size that divides the model's linears, W8 per channel
+    llama.cpp    Q4_K_M's rule at our schemes: attention q/k/v (llama.cpp: attn_v) and
+                 down_proj at W8 in the layers llama.cpp gives more bits (the first and last
+                 eighth, and every third between), W4 g64 elsewhere
+    auto <b>%    --method auto --max-ppl-increase b%
+    auto @<row>  --method auto --target-bits at the bits per weight of uniform W4 g64 and of
+                 the llama.cpp mix: the Pareto comparison at equal size
+
+Each row: bits per weight of the quantized linears (every tensor they store: codes, scales,
+zeros, g_idx; 16-bit ones at 16), checkpoint MB, perplexity on the held-out text (the State of
+the Union 2010-2020, what `auto` verifies its budget on) and in-domain (Moby-Dick ch. 1-10), each
+the first `--eval-tokens` tokens in 512-token windows, fp32 through the engine, and for `auto`
+the predicted and the measured increase. The measurement pass's time is reported beside one
+GPTQ quantization's (target: at most 3x). Prints a table, writes JSON and a PNG chart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.results_file import run_arguments, write_results  # noqa: E402
+from qserve.model.resolve import resolve_model  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+@dataclasses.dataclass
+class Row:
+    name: str
+    kind: str  # baseline | uniform | heuristic | auto
+    bits_per_weight: float
+    size_mb: float
+    heldout: float
+    in_domain: float
+    quant_seconds: float | None = None
+    predicted_increase: float | None = None
+    attempts: int | None = None
+    budget: float | None = None
+
+
+def use_more_bits(i: int, n: int) -> bool:
+    """llama.cpp's rule (llama-quant.cpp) for the layers Q4_K_M gives attn_v / ffn_down more
+    bits."""
+    return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
+
+
+def heuristic_rules(num_layers: int) -> tuple[str, ...]:
+    layers = "|".join(str(i) for i in range(num_layers) if use_more_bits(i, num_layers))
+    return (rf".*\.layers\.({layers})\.(self_attn\.[qkv]_proj|mlp\.down_proj)$=w8ch",)
+
+
+def linear_bits(folder: Path, prefix: str = "model.layers.") -> float:
+    """Bits per weight of the decoder blocks' linears as stored (16-bit ones at 16)."""
+    stored, weights = 0, 0
+    with safe_open(str(folder / "model.safetensors"), "pt") as f:
+        keys = [k for k in f.keys() if k.startswith(prefix)]
+        for key in keys:
+            name, _, kind = key.rpartition(".")
+            t = f.get_slice(key)
+            numel = 1
+            for d in t.get_shape():
+                numel *= d
+            size = numel * {"I32": 4, "F16": 2, "BF16": 2, "F32": 4}[t.get_dtype()]
+            if kind == "qweight":
+                stored += size
+                g_idx = f.get_slice(f"{name}.g_idx").get_shape()[0]
+                weights += g_idx * t.get_shape()[1]
+            elif kind in ("qzeros", "scales", "g_idx"):
+                stored += size
+            elif kind == "weight" and len(t.get_shape()) == 2:
+                stored += numel * 2
+                weights += numel
+    return 8 * stored / weights
+
+
+def score(folder: Path, ids: dict[str, list[int]], tokens: int) -> dict[str, float]:
+    from qserve.config import EngineConfig
+    from qserve.engine.llm_engine import LLMEngine
+    from qserve.eval import perplexity, text_prefix
+
+    engine = LLMEngine(EngineConfig(str(folder), dtype="float32", kv_cache_memory="64MiB"))
+    prefix = text_prefix(engine.tokenizer)
+    window = min(512, engine.max_model_len - 1)
+    out = {k: perplexity(engine, v, window, tokens, prefix).perplexity for k, v in ids.items()}
+    del engine
+    gc.collect()
+    return out
+
+
+def texts(model: Path) -> dict[str, list[int]]:
+    from qserve.data import heldout_text
+    from qserve.eval import load_eval_text
+    from qserve.model.loader import load_tokenizer
+
+    tok = load_tokenizer(model)
+    return {
+        "heldout": tok.encode(heldout_text(), add_special_tokens=False),
+        "in_domain": tok.encode(load_eval_text("moby-dick-eval"), add_special_tokens=False),
+    }
+
+
+def quantized_row(
+    model: Path, name: str, kind: str, settings: Any, tmp: Path, args: argparse.Namespace, ids
+) -> Row:
+    from qserve.quantize.driver import quantize_model
+
+    folder = tmp / name.replace(" ", "_").replace("%", "pct").replace("@", "at")
+    start = time.monotonic()
+    quantize_model(model, folder, settings)
+    seconds = time.monotonic() - start
+    ppl = score(folder, ids, args.eval_tokens)
+    row = Row(
+        name, kind, linear_bits(folder), _mb(folder), ppl["heldout"], ppl["in_domain"], seconds
+    )
+    recipe = folder / "qserve_recipe.json"
+    auto = json.loads(recipe.read_text()).get("auto") if recipe.is_file() else None
+    if auto is not None:
+        row.predicted_increase = auto["predicted_increase"]
+        row.attempts = len(auto["attempts"])
+        row.budget = auto["budget"]["max_ppl_increase"]
+    return row
+
+
+def _mb(folder: Path) -> float:
+    return sum(p.stat().st_size for p in folder.glob("*.safetensors")) / 1e6
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    from qserve.quantize.auto.measure import measure, measurement_key
+    from qserve.quantize.driver import auto_cache_dir
+    from qserve.quantize.settings import QuantizeSettings
+
+    torch.set_num_threads(args.num_threads)
+    model = resolve_model(args.model)
+    ids = texts(model)
+    common = dict(num_samples=args.num_samples)
+    config = json.loads((model / "config.json").read_text())
+    hidden, inter = config["hidden_size"], config["intermediate_size"]
+    groups = [g for g in (128, 64, 32) if hidden % g == 0 and inter % g == 0]
+    rows: list[Row] = []
+    base = score(model, ids, args.eval_tokens)
+    rows.append(Row("baseline", "baseline", 16.0, _mb(model), base["heldout"], base["in_domain"]))
+    log(rows[-1], base)
+    with tempfile.TemporaryDirectory(prefix="qserve-autoquant-") as tmp:
+        auto = QuantizeSettings(method="auto", max_ppl_increase="1%", **common)
+        cached = auto_cache_dir() / f"{measurement_key(model, auto)}.json"
+        cached.unlink(missing_ok=True)  # timed from scratch here; the auto rows read it back
+        start = time.monotonic()
+        measure(model, auto, auto_cache_dir())
+        measure_seconds = time.monotonic() - start
+        jobs = [
+            (f"W4 g{g}", "uniform", QuantizeSettings(bits=4, group_size=g, **common))
+            for g in groups
+        ]
+        jobs.append(("W8", "uniform", QuantizeSettings(bits=8, group_size=-1, **common)))
+        jobs.append(
+            (
+                "llama.cpp mix",
+                "heuristic",
+                QuantizeSettings(
+                    group_size=64, dynamic=heuristic_rules(config["num_hidden_layers"]), **common
+                ),
+            )
+        )
+        for name, kind, settings in jobs:
+            rows.append(quantized_row(model, name, kind, settings, Path(tmp), args, ids))
+            log(rows[-1], base)
+        for target in [r for r in rows if r.name in ("W4 g64", "llama.cpp mix")]:
+            bits = target.bits_per_weight
+            settings = QuantizeSettings(method="auto", target_bits=bits, **common)
+            rows.append(
+                quantized_row(model, f"auto @{target.name}", "auto", settings, Path(tmp), args, ids)
+            )
+            log(rows[-1], base)
+        for b in args.budgets:
+            settings = QuantizeSettings(method="auto", max_ppl_increase=f"{b}%", **common)
+            rows.append(
+                quantized_row(model, f"auto {b:g}%", "auto", settings, Path(tmp), args, ids)
+            )
+            log(rows[-1], base)
+    w4 = next((r for r in rows if r.name == "W4 g64"), None)
+    return {
+        "model": args.model,
+        "args": run_arguments(args),
+        "measure_seconds": measure_seconds,
+        "gptq_seconds": w4.quant_seconds if w4 else None,
+        "rows": [dataclasses.asdict(r) for r in rows],
+    }
+
+
+def log(row: Row, base: dict[str, float]) -> None:
+    print(
+        f"  {row.name}: {row.bits_per_weight:.3f} bits, held-out {row.heldout:.3f} "
+        f"({100 * (row.heldout / base['heldout'] - 1):+.2f}%)",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
+def format_table(summary: dict[str, Any]) -> str:
+    rows = summary["rows"]
+    base_h, base_i = rows[0]["heldout"], rows[0]["in_domain"]
+    head = (
+        f"{'checkpoint':<18}{'bits/w':>8}{'MB':>8}{'held-out':>10}{'vs base':>9}"
+        f"{'predicted':>10}{'budget':>8}{'in-domain':>11}{'vs base':>9}{'quant s':>9}"
+    )
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        pred = "-" if r["predicted_increase"] is None else f"{100 * r['predicted_increase']:+.2f}%"
+        bud = "-" if r["budget"] is None else f"{100 * r['budget']:g}%"
+        quant = "-" if r["quant_seconds"] is None else f"{r['quant_seconds']:.0f}"
+        lines.append(
+            f"{r['name']:<18}{r['bits_per_weight']:>8.3f}{r['size_mb']:>8.1f}"
+            f"{r['heldout']:>10.3f}{100 * (r['heldout'] / base_h - 1):>+8.2f}%{pred:>10}{bud:>8}"
+            f"{r['in_domain']:>11.3f}{100 * (r['in_domain'] / base_i - 1):>+8.2f}%{quant:>9}"
+        )
+    ratio = summary["measure_seconds"] / summary["gptq_seconds"]
+    lines.append(
+        f"measurement pass {summary['measure_seconds']:.0f} s, one GPTQ quantization (W4 g64) "
+        f"{summary['gptq_seconds']:.0f} s: {ratio:.2f}x"
+    )
+    return "\n".join(lines)
+
+
+def chart(summary: dict[str, Any], path: Path) -> None:
+    """Held-out perplexity increase against bits per weight, one marker kind per row kind."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = summary["rows"]
+    base = rows[0]["heldout"]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for kind, marker in [("uniform", "s"), ("heuristic", "^"), ("auto", "o")]:
+        pts = sorted(
+            (r["bits_per_weight"], 100 * (r["heldout"] / base - 1), r["name"])
+            for r in rows
+            if r["kind"] == kind
+        )
+        if pts:
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=marker, label=kind)
+            for x, y, name in pts:
+                ax.annotate(name, (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
+    ax.set_xlabel("bits per weight of the quantized linears")
+    ax.set_ylabel("held-out perplexity increase (%)")
+    ax.set_yscale("symlog", linthresh=1)
+    ax.set_title(f"{summary['model']}: size against quality")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--budgets", default="0.5,1,2,5,10", help="percent, comma-separated")
+    p.add_argument("--num-samples", type=int, default=32, help="GPTQ calibration windows")
+    p.add_argument("--eval-tokens", type=int, default=4096)
+    p.add_argument("--num-threads", type=int, default=2)
+    p.add_argument("--output", type=Path, default=RESULTS / "autoquant.json")
+    p.add_argument("--chart", type=Path, default=RESULTS / "autoquant.png")
+    args = p.parse_args(argv)
+    args.budgets = [float(b) for b in args.budgets.split(",") if b.strip()]
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    summary = run(args)
+    write_results(args.output, summary)
+    print(format_table(summary))
+    chart(summary, args.chart)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

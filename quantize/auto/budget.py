@@ -1,0 +1,190 @@
+"""Quality-budgeted allocation, as pure functions: exact checkpoint bytes per scheme, the
+prediction of the whole model's perplexity increase, and the allocators.
+
+A unit is a set of linears that must share a scheme because vLLM (and qserve) fuse them: q/k/v,
+gate/up, one linear otherwise (the `sequential` groups of `qserve.quantize.arch`).
+
+Bytes are those of the GPTQ format, counted exactly (`linear_bytes`): for a linear [N, K] at b
+bits with G groups (G = 1 per channel): qweight K*N*b/8, qzeros G*N*b/8 (int32 words), scales
+2*G*N (fp16), g_idx 4*K (int32); a 16-bit linear is 2*N*K. Biases are the same either way and
+left out.
+
+Prediction (additive): the per-unit errors e_u(s) are the mean KL(p_float || p_quantized) of
+the final logits on calibration tokens with only unit u quantized at scheme s
+(`qserve.quantize.auto.measure`). The whole model's log-perplexity increase is predicted as
+
+    log(ppl_q / ppl) = c * sum_u e_u(s_u)
+
+with c = 1 to start (to first order, the cross entropy on text the model predicts well rises by
+the KL) and re-fitted to the measured increase after each verification.
+
+Allocators: a multiple-choice knapsack by dynamic programming over the budget, discretized in
+`bins` steps, each option's budget use rounded up (so the result never exceeds the budget):
+`min_bytes` (a quality budget: the fewest bytes whose predicted error fits) and `min_error` (a
+size budget: the least predicted error whose bytes fit).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+
+import numpy as np
+
+from qserve.quantize.dynamic import Scheme
+
+__all__ = [
+    "Allocation",
+    "Unit",
+    "candidate_schemes",
+    "linear_bytes",
+    "min_bytes",
+    "min_error",
+    "predicted_increase",
+    "error_budget",
+]
+
+DENSE = Scheme(16)
+W4_GROUPS = (128, 64, 32)
+
+
+@dataclasses.dataclass(frozen=True)
+class Unit:
+    """Linears quantized with one scheme: their checkpoint names and [N, K] shapes."""
+
+    name: str
+    linears: tuple[str, ...]
+    shapes: tuple[tuple[int, int], ...]
+
+    def bytes(self, scheme: Scheme) -> int:
+        return sum(linear_bytes(n, k, scheme) for n, k in self.shapes)
+
+    @property
+    def weights(self) -> int:
+        return sum(n * k for n, k in self.shapes)
+
+
+def linear_bytes(N: int, K: int, scheme: Scheme) -> int:
+    """Checkpoint bytes of one [N, K] linear's weight tensors in `scheme` (GPTQ format)."""
+    if scheme.dense:
+        return 2 * N * K
+    G = 1 if scheme.group_size == -1 else K // scheme.group_size
+    return K * N * scheme.bits // 8 + G * N * scheme.bits // 8 + 2 * G * N + 4 * K
+
+
+def candidate_schemes(unit: Unit) -> list[Scheme]:
+    """16-bit, W8 per channel and W4 with every group size dividing each linear's K."""
+    schemes = [DENSE, Scheme(8, -1)]
+    schemes += [Scheme(4, g) for g in W4_GROUPS if all(k % g == 0 for _, k in unit.shapes)]
+    return schemes
+
+
+@dataclasses.dataclass(frozen=True)
+class Allocation:
+    schemes: dict[str, Scheme]  # unit name -> scheme
+    bytes: int
+    error: float  # predicted: sum of the units' errors
+
+    def bits_per_weight(self, units: Sequence[Unit]) -> float:
+        return 8 * self.bytes / sum(u.weights for u in units)
+
+
+def predicted_increase(error: float, c: float = 1.0) -> float:
+    """Predicted relative perplexity increase (0.01: +1%) of a summed error."""
+    return math.expm1(c * error)
+
+
+def error_budget(max_increase: float, c: float = 1.0) -> float:
+    """The summed error whose predicted perplexity increase is `max_increase`."""
+    return math.log1p(max_increase) / c
+
+
+def min_bytes(
+    units: Sequence[Unit],
+    errors: Sequence[dict[Scheme, float]],
+    max_error: float,
+    bins: int = 4000,
+    floor: dict[str, Scheme] | None = None,
+) -> Allocation | None:
+    """The allocation of fewest bytes whose summed error is at most `max_error` (None: none is,
+    even all 16-bit). `floor`: per unit, the cheapest scheme allowed (a retry only upgrades)."""
+    options = _options(units, errors, floor)
+    step = max_error / bins if max_error > 0 else 1.0
+    weights = [[_bins(e, step) for _, _, e in opts] for opts in options]
+    costs = [[float(b) for _, b, _ in opts] for opts in options]
+    choice = _knapsack(costs, weights, bins if max_error > 0 else 0)
+    return None if choice is None else _allocation(units, options, choice)
+
+
+def min_error(
+    units: Sequence[Unit],
+    errors: Sequence[dict[Scheme, float]],
+    max_bytes: int,
+    bins: int = 4000,
+) -> Allocation | None:
+    """The allocation of least summed error whose bytes are at most `max_bytes` (None: none
+    fits, even the smallest scheme everywhere)."""
+    options = _options(units, errors, None)
+    step = max_bytes / bins
+    weights = [[_bins(b, step) for _, b, _ in opts] for opts in options]
+    costs = [[e for _, _, e in opts] for opts in options]
+    choice = _knapsack(costs, weights, bins)
+    return None if choice is None else _allocation(units, options, choice)
+
+
+def _options(
+    units: Sequence[Unit], errors: Sequence[dict[Scheme, float]], floor: dict[str, Scheme] | None
+) -> list[list[tuple[Scheme, int, float]]]:
+    """Per unit: (scheme, bytes, error) of each measured scheme at or above its floor."""
+    out = []
+    for unit, errs in zip(units, errors):
+        least = unit.bytes(floor[unit.name]) if floor and unit.name in floor else 0
+        opts = [(s, unit.bytes(s), max(e, 0.0)) for s, e in errs.items()]
+        out.append([o for o in opts if o[1] >= least])
+    return out
+
+
+def _bins(value: float, step: float) -> int:
+    return math.ceil(value / step - 1e-9)
+
+
+def _knapsack(
+    costs: list[list[float]], weights: list[list[int]], capacity: int
+) -> list[int] | None:
+    """One option per item minimizing the summed cost with summed weight <= capacity; the
+    index of each item's option, or None when nothing fits."""
+    inf = float("inf")
+    best = np.zeros(capacity + 1)  # best[w]: least cost of the items so far within weight w
+    picks = []
+    for cost, weight in zip(costs, weights):
+        new = np.full(capacity + 1, inf)
+        pick = np.full(capacity + 1, -1, dtype=np.int16)
+        for j, (c, w) in enumerate(zip(cost, weight)):
+            if w > capacity:
+                continue
+            cand = np.full(capacity + 1, inf)
+            cand[w:] = best[: capacity + 1 - w] + c
+            better = cand < new
+            new[better], pick[better] = cand[better], j
+        best = new
+        picks.append(pick)
+    if not np.isfinite(best[capacity]):
+        return None
+    choice, w = [], capacity
+    for item in range(len(costs) - 1, -1, -1):
+        j = int(picks[item][w])
+        choice.append(j)
+        w -= weights[item][j]
+    return choice[::-1]
+
+
+def _allocation(
+    units: Sequence[Unit], options: list[list[tuple[Scheme, int, float]]], choice: list[int]
+) -> Allocation:
+    picked = [opts[j] for opts, j in zip(options, choice)]
+    return Allocation(
+        {u.name: s for u, (s, _, _) in zip(units, picked)},
+        sum(b for _, b, _ in picked),
+        sum(e for _, _, e in picked),
+    )

@@ -1,0 +1,272 @@
+"""The measurement pass of `--method auto`: each unit's error at each candidate scheme, cached
+on disk so that solving for another budget costs nothing.
+
+For each block b, on the float model's inputs X_b of calibration windows:
+
+    1. the Hessian H of each linear's input (as GPTQ takes it);
+    2. for each unit u and candidate scheme s: W_s = GPTQ(W, H, s) for the unit's linears and the
+       proxy error d_u(s) = sum tr((W - W_s) H (W - W_s)^T) (the layer-wise loss GPTQ
+       minimizes);
+    3. the KL(p_float || p) of the final logits with only unit u quantized, at its reference
+       scheme r (the coarsest W4 that fits it): block b runs with W_r, the later blocks float;
+    4. e_u(s) = KL_u(r) * d_u(s) / d_u(r): the measured KL, carried to the other schemes by the
+       ratio of their proxy errors (16-bit: 0).
+
+One KL per unit keeps the pass to about one partial forward per unit; the proxy ratio assumes
+the output's sensitivity to the unit's error is the same at every scheme (quantization noise
+is close to white). `additivity` records, as a check of the additive prediction
+(`budget.predicted_increase`), the KL measured with every unit at its reference scheme at once
+beside the sum of the units' KLs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from qserve.quantize.arch import arch_spec
+from qserve.quantize.auto.budget import DENSE, Unit, candidate_schemes
+from qserve.quantize.block_context import BlockContext
+from qserve.quantize.calibration import calibration_windows, load_calibration_text
+from qserve.quantize.capture import capture_block_inputs
+from qserve.quantize.dynamic import Scheme
+from qserve.quantize.gptq import accumulate_hessian, gptq_quantize
+from qserve.quantize.moe import prepare_moe
+from qserve.quantize.settings import QuantizeSettings
+
+__all__ = ["MEASURE_VERSION", "Measurement", "measure", "measurement_key"]
+
+logger = logging.getLogger("qserve")
+MEASURE_VERSION = 1  # bump when what is measured changes: old cache entries are not read
+
+
+@dataclasses.dataclass
+class Measurement:
+    units: list[Unit]
+    errors: list[dict[Scheme, float]]  # per unit: predicted KL of each candidate scheme
+    reference_kl: list[float]  # per unit: the KL measured at its reference scheme
+    tokens: int
+    seconds: float
+    additivity: dict[str, float]  # {"sum": sum of reference KLs, "measured": all at once}
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "version": MEASURE_VERSION,
+            "tokens": self.tokens,
+            "seconds": self.seconds,
+            "additivity": self.additivity,
+            "units": [
+                {
+                    "name": u.name,
+                    "linears": list(u.linears),
+                    "shapes": [list(s) for s in u.shapes],
+                    "reference_kl": kl,
+                    "errors": {s.name: e for s, e in errs.items()},
+                }
+                for u, errs, kl in zip(self.units, self.errors, self.reference_kl)
+            ],
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Measurement:
+        units = [
+            Unit(u["name"], tuple(u["linears"]), tuple(tuple(s) for s in u["shapes"]))
+            for u in data["units"]
+        ]
+        errors = [{Scheme.parse(k): v for k, v in u["errors"].items()} for u in data["units"]]
+        kls = [u["reference_kl"] for u in data["units"]]
+        return cls(units, errors, kls, data["tokens"], data["seconds"], data["additivity"])
+
+
+def measurement_key(model_path: Path, settings: QuantizeSettings) -> str:
+    """What a cached measurement depends on: the model's config and weight files (names, sizes,
+    modification times), the calibration and the GPTQ options that shape each scheme."""
+    files = sorted(p for p in Path(model_path).iterdir() if p.suffix in (".json", ".safetensors"))
+    stats = [(p.name, p.stat().st_size, int(p.stat().st_mtime)) for p in files]
+    calib = settings.calib
+    if calib not in (None, "default", "mixed"):
+        path = Path(calib)
+        calib = [str(path.resolve()), path.stat().st_size, int(path.stat().st_mtime)]
+    what = [
+        MEASURE_VERSION, stats, calib, settings.measure_samples, settings.seq_len, settings.sym,
+        settings.damp, settings.act_group_aware, list(settings.ignore),
+    ]  # fmt: skip
+    return hashlib.sha256(json.dumps(what, default=str).encode()).hexdigest()[:16]
+
+
+def measure(
+    model_path: Path,
+    settings: QuantizeSettings,
+    cache_dir: Path | None,
+    progress: Callable[[int, int, float], None] | None = None,
+) -> Measurement:
+    """The measurement of `model_path` (from `cache_dir` when there, else measured and saved
+    there; None: no cache)."""
+    key = measurement_key(model_path, settings)
+    path = None if cache_dir is None else cache_dir / f"{key}.json"
+    if path is not None and path.is_file():
+        data = json.loads(path.read_text())
+        if data.get("version") == MEASURE_VERSION:
+            logger.info("measurement of %s read from %s", model_path, path)
+            return Measurement.from_json(data)
+    result = _measure(model_path, settings, progress)
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(result.to_json(), indent=1) + "\n")
+        tmp.replace(path)  # atomic: a reader sees all of it or nothing
+    return result
+
+
+@torch.no_grad()
+def _measure(
+    model_path: Path, settings: QuantizeSettings, progress: Callable[[int, int, float], None] | None
+) -> Measurement:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    start = time.monotonic()
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    spec = arch_spec(model.config.model_type)
+    prepare_moe(model, spec)
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    text = load_calibration_text(settings.calib)
+    ids = calibration_windows(tokenizer, text, settings.measure_samples, settings.seq_len)
+    blocks: nn.ModuleList = model.get_submodule(spec.blocks)
+    X, kwargs = capture_block_inputs(model, blocks, ids)
+    inputs = [X]  # inputs[b]: the float inputs of block b
+    for b, block in enumerate(blocks):
+        inputs.append([block(x, **kwargs[b]) for x in inputs[b]])
+    reference = [_logprobs(model, h) for h in inputs[-1]]
+    tail = _Tail(model, blocks, kwargs, reference)
+    units, errors, kls, swaps = [], [], [], []
+    for b, block in enumerate(blocks):
+        prefix = f"{spec.blocks}.{b}."
+        ctx = BlockContext(block, prefix, spec.for_block(block), settings, inputs[b], kwargs[b])
+        for group in ctx.spec.sequential:
+            names = [n for n in group if n in ctx.names]
+            if not names:
+                continue
+            hessians = ctx.collect(names, _hessian_step)
+            unit, errs, kl, swap = _measure_unit(ctx, names, hessians, tail, b)
+            units.append(unit)
+            errors.append(errs)
+            kls.append(kl)
+            swaps.append(swap)
+        if progress is not None:
+            elapsed = time.monotonic() - start
+            progress(b + 1, len(blocks), elapsed / (b + 1) * (len(blocks) - b - 1))
+    additivity = {"sum": sum(kls), "measured": tail.all_at_once(inputs[0], swaps)}
+    tokens = ids.numel()
+    return Measurement(units, errors, kls, tokens, time.monotonic() - start, additivity)
+
+
+def _hessian_step(acc: Any, x: Tensor) -> tuple[Tensor, int]:
+    H, n = acc or (None, 0)
+    return accumulate_hessian(H, n, x)
+
+
+Swap = list[tuple[nn.Linear, Tensor]]  # (linear, the weight it takes at the reference scheme)
+
+
+def _measure_unit(
+    ctx: BlockContext, names: list[str], hessians: dict[str, Any], tail: _Tail, b: int
+) -> tuple[Unit, dict[Scheme, float], float, Swap]:
+    spec, s = ctx.spec, ctx.s
+    linears = [ctx.linear(n) for n in names]
+    full = [spec.checkpoint_name(ctx.prefix + n) for n in names]
+    unit = Unit(_unit_name(full), tuple(full), tuple(tuple(m.weight.shape) for m in linears))
+    proxy: dict[Scheme, float] = {}
+    weights: dict[Scheme, list[Tensor]] = {}
+    for scheme in candidate_schemes(unit):
+        if scheme.dense:
+            continue
+        weights[scheme], proxy[scheme] = [], 0.0
+        for n, m in zip(names, linears):
+            H = hessians[n][0]
+            W = m.weight.data.float()
+            qw = gptq_quantize(W, H, scheme.bits, scheme.group_size, s.sym, s.damp,
+                               min_zero=s.min_zero, act_group_aware=s.act_group_aware)  # fmt: skip
+            Wq = qw.dequantize().to(W.dtype)
+            dW = W - Wq
+            proxy[scheme] += float(((dW @ H) * dW).sum())
+            weights[scheme].append(Wq)
+    ref = max((sc for sc in proxy if sc.bits == 4), key=lambda sc: proxy[sc])
+    swap = list(zip(linears, weights[ref]))
+    kl = tail.kl_with(b, ctx.X, swap)
+    errs = {DENSE: 0.0}
+    errs.update({sc: kl * proxy[sc] / proxy[ref] if proxy[ref] > 0 else 0.0 for sc in proxy})
+    return unit, errs, kl, swap
+
+
+def _unit_name(linears: list[str]) -> str:
+    """'model.layers.0.self_attn.q_proj+k_proj+v_proj' for a fused unit."""
+    parent, _, first = linears[0].rpartition(".")
+    rest = [n.rpartition(".")[2] for n in linears[1:]]
+    return f"{parent}.{'+'.join([first, *rest])}"
+
+
+class _Tail:
+    """The float model from block b on, and the KL of its final logits against the float
+    model's (`reference`: per sample, [T, vocab] log-probabilities)."""
+
+    def __init__(
+        self, model: nn.Module, blocks: nn.ModuleList, kwargs: list[dict], reference: list[Tensor]
+    ) -> None:
+        self.model, self.blocks, self.kwargs, self.reference = model, blocks, kwargs, reference
+
+    def kl_with(self, b: int, X: list[Tensor], swap: Swap) -> float:
+        """Mean KL per token with the swapped weights in place, from block b's inputs X."""
+        with _swapped(swap):
+            hidden = [self.blocks[b](x, **self.kwargs[b]) for x in X]
+        for c in range(b + 1, len(self.blocks)):
+            hidden = [self.blocks[c](h, **self.kwargs[c]) for h in hidden]
+        return self._kl(hidden)
+
+    def all_at_once(self, X: list[Tensor], swaps: list[Swap]) -> float:
+        with _swapped([pair for swap in swaps for pair in swap]):
+            return self.kl_with(0, X, [])
+
+    def _kl(self, hidden: list[Tensor]) -> float:
+        total, tokens = 0.0, 0
+        for h, ref in zip(hidden, self.reference):
+            logp = _logprobs(self.model, h)
+            total += float((ref.exp() * (ref - logp)).sum())
+            tokens += ref.shape[0]
+        return total / tokens
+
+
+def _logprobs(model: nn.Module, hidden: Tensor) -> Tensor:
+    """[T, vocab] fp32 log-probabilities of the final hidden states [1, T, hidden]."""
+    h = model.get_decoder().norm(hidden)
+    logits = model.get_output_embeddings()(h)[0].float()
+    cap = getattr(model.config, "final_logit_softcapping", None)
+    if cap:
+        logits = torch.tanh(logits / cap) * cap
+    return torch.log_softmax(logits, dim=-1)
+
+
+class _swapped:
+    """Inside, each linear holds its swapped weight; its own weight is back after."""
+
+    def __init__(self, swap: Swap) -> None:
+        self.swap = swap
+        self.saved: list[Tensor] = []
+
+    def __enter__(self) -> None:
+        self.saved = [m.weight.data for m, _ in self.swap]
+        for m, w in self.swap:
+            m.weight.data = w
+
+    def __exit__(self, *exc: object) -> None:
+        for (m, _), w in zip(self.swap, self.saved):
+            m.weight.data = w

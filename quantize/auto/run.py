@@ -1,0 +1,286 @@
+"""`qserve quantize --method auto`: measure, allocate, quantize with GPTQ, verify, write.
+
+    1. measure    each unit's predicted KL at each scheme (`measure`, cached under the qserve
+                  cache, `autoquant/`)
+    2. allocate   the fewest bytes within the perplexity budget (`budget.min_bytes`), or the
+                  least error within --target-bits (`budget.min_error`)
+    3. quantize   GPTQ with the allocation as `dynamic` rules (one exact rule per scheme, the
+                  most common W4 scheme as the checkpoint's default)
+    4. verify     perplexity of the quantized checkpoint and the float model on the held-out
+                  text (`qserve.data.heldout_text`, a kind of text no calibration source is),
+                  through the engine in fp32
+    5. retry      over budget: c (`budget.predicted_increase`) is re-fitted to what was measured
+                  and the allocation re-solved, only upgrading units; at most MAX_ATTEMPTS
+                  quantizations. A checkpoint is written only once it meets its budget.
+
+The checkpoint's qserve_recipe.json records the allocation (unit, scheme, bytes, predicted KL),
+the prediction and the measured result.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import shutil
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from qserve.errors import QServeError
+from qserve.quantize import output_dir as output_rules
+from qserve.quantize.auto import budget
+from qserve.quantize.auto.budget import Allocation, Unit
+from qserve.quantize.auto.measure import Measurement, measure
+from qserve.quantize.dynamic import DynamicRule, Scheme
+from qserve.quantize.settings import QuantizeSettings
+
+__all__ = [
+    "MAX_ATTEMPTS",
+    "VERIFY_TOKENS",
+    "allocate",
+    "format_allocation",
+    "plan_auto",
+    "quantize_auto",
+]
+
+logger = logging.getLogger("qserve")
+MAX_ATTEMPTS = 3
+VERIFY_TOKENS = 4096  # held-out tokens scored per verification
+VERIFY_WINDOW = 512  # tokens per window (fewer when the model's context is shorter)
+SAFETY = 1.1  # a re-fitted c is raised by this much, so a retry does not land just over again
+
+
+def plan_auto(
+    model_path: Path,
+    settings: QuantizeSettings,
+    cache_dir: Path | None,
+    progress: Callable[[int, int, float], None] | None = None,
+) -> tuple[Measurement, Allocation]:
+    """The measurement (cached) and the first allocation: what --dry-run prints."""
+    m = measure(model_path, settings, cache_dir, progress)
+    return m, allocate(m, settings)
+
+
+def quantize_auto(
+    model_path: Path,
+    output_dir: Path,
+    settings: QuantizeSettings,
+    *,
+    quantize: Callable[[QuantizeSettings, Path], Path],
+    cache_dir: Path | None,
+    overwrite: bool = False,
+    progress: Callable[[int, int, float], None] | None = None,
+    provenance: Mapping[str, Any] | None = None,
+) -> Path:
+    """Write the smallest checkpoint meeting `settings`' budget into `output_dir`.
+    `quantize(settings, folder)` writes a GPTQ checkpoint (`quantize_model` with the run's
+    options)."""
+    output_rules.check_output_dir(output_dir, overwrite, model_path)
+    m, allocation = plan_auto(model_path, settings, cache_dir, progress)
+    c, increase = 1.0, math.inf
+    scorer = _HeldOut(model_path)
+    attempts: list[dict[str, Any]] = []
+    with output_rules.staging_dir(output_dir, overwrite, model_path) as stage:
+        for attempt in range(1, MAX_ATTEMPTS + 1):
+            folder = stage / f".attempt-{attempt}"
+            quantize(gptq_settings(settings, m.units, allocation), folder)
+            increase = scorer.increase(folder)
+            attempts.append(_attempt_record(allocation, m.units, c, increase))
+            logger.warning(
+                "auto attempt %d: %s", attempt, _summary(allocation, m.units, c, increase)
+            )
+            if settings.max_increase is None or increase <= settings.max_increase:
+                record = _record(settings, m, allocation, c, increase, attempts, scorer)
+                _write_record(folder, provenance, record)
+                for entry in folder.iterdir():
+                    entry.rename(stage / entry.name)
+                folder.rmdir()
+                return Path(output_dir)
+            shutil.rmtree(folder)
+            c = SAFETY * math.log1p(increase) / max(allocation.error, 1e-12)
+            allocation = _upgrade(m, settings, c, allocation)
+        assert settings.max_increase is not None
+        raise QServeError(
+            f"auto: no checkpoint met +{100 * settings.max_increase:g}% perplexity in "
+            f"{MAX_ATTEMPTS} attempts (the last measured +{100 * increase:.2f}%); nothing written",
+            "max_ppl_increase",
+        )
+
+
+def allocate(m: Measurement, settings: QuantizeSettings, c: float = 1.0) -> Allocation:
+    """The allocation `settings`' budget asks for, under prediction constant `c`."""
+    if settings.target_bits is not None:
+        max_bytes = int(settings.target_bits / 8 * sum(u.weights for u in m.units))
+        found = budget.min_error(m.units, m.errors, max_bytes)
+        if found is None:
+            raise QServeError(
+                f"target_bits {settings.target_bits:g} is below the smallest scheme every unit "
+                "can take", "target_bits",
+            )  # fmt: skip
+        return found
+    assert settings.max_increase is not None
+    found = budget.min_bytes(m.units, m.errors, budget.error_budget(settings.max_increase, c))
+    assert found is not None  # all 16-bit has error 0: always within budget
+    return found
+
+
+def _upgrade(m: Measurement, settings: QuantizeSettings, c: float, last: Allocation) -> Allocation:
+    """Re-solved under the re-fitted `c`, no unit below its last scheme; when that changes
+    nothing, the unit of largest predicted error moves up one scheme."""
+    assert settings.max_increase is not None
+    max_error = budget.error_budget(settings.max_increase, c)
+    found = budget.min_bytes(m.units, m.errors, max_error, floor=last.schemes)
+    if found is not None and found.schemes != last.schemes:
+        return found
+    worst = max(range(len(m.units)), key=lambda i: m.errors[i][last.schemes[m.units[i].name]])
+    unit, errors = m.units[worst], m.errors[worst]
+    better = sorted(
+        (s for s in errors if unit.bytes(s) > unit.bytes(last.schemes[unit.name])),
+        key=unit.bytes,
+    )
+    schemes = {**last.schemes, unit.name: better[0] if better else budget.DENSE}
+    error = sum(errs[schemes[u.name]] for u, errs in zip(m.units, m.errors))
+    return Allocation(schemes, sum(u.bytes(schemes[u.name]) for u in m.units), error)
+
+
+def gptq_settings(
+    settings: QuantizeSettings, units: list[Unit], allocation: Allocation
+) -> QuantizeSettings:
+    """The GPTQ run of `allocation`: the most common quantized scheme as the checkpoint's
+    bits and group size, one exact `dynamic` rule for each other scheme."""
+    by_scheme: dict[Scheme, list[str]] = {}
+    for unit in units:
+        by_scheme.setdefault(allocation.schemes[unit.name], []).extend(unit.linears)
+    quantized = [s for s in by_scheme if not s.dense]
+    default = max(quantized, key=lambda s: len(by_scheme[s])) if quantized else Scheme(8, -1)
+    rules = [
+        str(DynamicRule(_exact(names), scheme))
+        for scheme, names in by_scheme.items()
+        if scheme != default
+    ]
+    return dataclasses.replace(
+        settings, method="gptq", bits=default.bits, group_size=default.group_size,
+        dynamic=tuple(rules), max_ppl_increase=None, target_bits=None, measure_samples=None,
+    )  # fmt: skip
+
+
+def _exact(names: list[str]) -> str:
+    return "(?:" + "|".join(n.replace(".", r"\.") for n in names) + ")$"
+
+
+class _HeldOut:
+    """Perplexity on the held-out text through the engine (fp32), the float model's once."""
+
+    def __init__(self, model_path: Path) -> None:
+        self.model_path = model_path
+        self._base: float | None = None
+        self.base_tokens = 0
+
+    @property
+    def base(self) -> float:
+        if self._base is None:
+            self._base, self.base_tokens = _heldout_perplexity(self.model_path)
+        return self._base
+
+    def increase(self, folder: Path) -> float:
+        return _heldout_perplexity(folder)[0] / self.base - 1
+
+
+def _heldout_perplexity(folder: Path) -> tuple[float, int]:
+    import gc
+
+    from qserve.config import EngineConfig
+    from qserve.data import heldout_text
+    from qserve.engine.llm_engine import LLMEngine
+    from qserve.eval import perplexity, text_prefix
+
+    engine = LLMEngine(EngineConfig(str(folder), dtype="float32", kv_cache_memory="64MiB"))
+    try:
+        ids = engine.tokenizer.encode(heldout_text(), add_special_tokens=False)
+        prefix = text_prefix(engine.tokenizer)
+        window = min(VERIFY_WINDOW, engine.max_model_len - 1)  # room for one output token
+        result = perplexity(engine, ids, window, VERIFY_TOKENS, prefix)
+        return result.perplexity, result.num_tokens
+    finally:
+        del engine
+        gc.collect()
+
+
+# ------------------------------------------------------------------------------ reporting
+
+
+def format_allocation(m: Measurement, allocation: Allocation, c: float = 1.0) -> str:
+    """The --dry-run table: one line per unit, then the totals and the prediction."""
+    width = max(len(u.name) for u in m.units)
+    lines = [f"{'unit':<{width}}  {'scheme':>6}  {'bytes':>10}  {'predicted KL':>12}"]
+    for unit, errors in zip(m.units, m.errors):
+        s = allocation.schemes[unit.name]
+        lines.append(f"{unit.name:<{width}}  {s.name:>6}  {unit.bytes(s):>10}  {errors[s]:>12.3e}")
+    lines.append(_summary(allocation, m.units, c))
+    return "\n".join(lines)
+
+
+def _summary(
+    allocation: Allocation, units: list[Unit], c: float, measured: float | None = None
+) -> str:
+    bpw = allocation.bits_per_weight(units)
+    predicted = 100 * budget.predicted_increase(allocation.error, c)
+    text = f"{allocation.bytes / 2**20:.2f} MiB of linears ({bpw:.3f} bits/weight), "
+    text += f"predicted perplexity {predicted:+.3f}%"
+    return text if measured is None else text + f", measured {100 * measured:+.3f}%"
+
+
+def _attempt_record(
+    allocation: Allocation, units: list[Unit], c: float, increase: float
+) -> dict[str, Any]:
+    return {
+        "bytes": allocation.bytes,
+        "bits_per_weight": allocation.bits_per_weight(units),
+        "predicted_increase": budget.predicted_increase(allocation.error, c),
+        "measured_increase": increase,
+        "c": c,
+    }
+
+
+def _record(
+    settings: QuantizeSettings,
+    m: Measurement,
+    allocation: Allocation,
+    c: float,
+    increase: float,
+    attempts: list[dict[str, Any]],
+    scorer: _HeldOut,
+) -> dict[str, Any]:
+    return {
+        "budget": {"max_ppl_increase": settings.max_increase, "target_bits": settings.target_bits},
+        "met": settings.max_increase is None or increase <= settings.max_increase,
+        "measured": {
+            "text": "qserve.data.heldout_text (State of the Union 2010-2020)",
+            "tokens": scorer.base_tokens,
+            "base_perplexity": scorer.base,
+            "increase": increase,
+        },
+        "predicted_increase": budget.predicted_increase(allocation.error, c),
+        "attempts": attempts,
+        "measurement": {"tokens": m.tokens, "seconds": m.seconds, "additivity": m.additivity},
+        "allocation": [
+            {
+                "unit": u.name,
+                "scheme": allocation.schemes[u.name].name,
+                "bytes": u.bytes(allocation.schemes[u.name]),
+                "predicted_kl": errs[allocation.schemes[u.name]],
+            }
+            for u, errs in zip(m.units, m.errors)
+        ],
+    }
+
+
+def _write_record(folder: Path, provenance: Mapping[str, Any] | None, record: dict) -> None:
+    from qserve.quantize.export import PROVENANCE_FILE
+
+    path = folder / PROVENANCE_FILE
+    made_by = json.loads(path.read_text()) if path.is_file() else dict(provenance or {})
+    made_by["auto"] = record
+    path.write_text(json.dumps(made_by, indent=2, default=str) + "\n")

@@ -1,0 +1,170 @@
+"""--method auto (issue 21): exact bytes, the allocators against brute force, and the whole run on
+the tiny Llama (measure, allocate, GPTQ with dynamic rules, verify on held-out text, write)."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from qserve.cli import cli
+from qserve.errors import QServeError
+from qserve.quantize.auto import budget, run
+from qserve.quantize.auto.budget import Unit, candidate_schemes, linear_bytes
+from qserve.quantize.auto.measure import measure
+from qserve.quantize.dynamic import Scheme
+from qserve.quantize.export import gptq_tensors
+from qserve.quantize.rtn import rtn_quantize
+from qserve.quantize.settings import QuantizeSettings
+
+
+@pytest.mark.parametrize("scheme", [Scheme(4, 32), Scheme(4, 128), Scheme(8, -1)], ids=str)
+def test_linear_bytes_are_the_gptq_tensors_bytes(scheme: Scheme) -> None:
+    W = torch.randn(192, 256)
+    tensors = gptq_tensors(rtn_quantize(W, scheme.bits, scheme.group_size, True, 1))
+    stored = sum(t.numel() * t.element_size() for t in tensors.values())
+    assert linear_bytes(192, 256, scheme) == stored
+    assert linear_bytes(192, 256, Scheme(16)) == 192 * 256 * 2
+
+
+def test_candidates_are_the_group_sizes_dividing_every_k() -> None:
+    unit = Unit("u", ("a", "b"), ((64, 576), (64, 1536)))  # 576 = 4.5 * 128
+    assert [s.name for s in candidate_schemes(unit)] == ["bf16", "w8ch", "w4g64", "w4g32"]
+
+
+def _instance(seed: int) -> tuple[list[Unit], list[dict[Scheme, float]]]:
+    rng = random.Random(seed)
+    units = [Unit(f"u{i}", (f"l{i}",), ((64 * rng.randint(1, 4), 256),)) for i in range(4)]
+    errors = []
+    for u in units:
+        scale = rng.uniform(0.1, 10)
+        errors.append({s: 0.0 if s.dense else scale * rng.uniform(0.5, 1.5) / s.bits**2 *
+                       (s.group_size if s.group_size > 0 else 512) / 64
+                       for s in candidate_schemes(u)})  # fmt: skip
+    return units, errors
+
+
+def _all_allocations(units, errors):
+    for combo in itertools.product(*[list(e) for e in errors]):
+        size = sum(u.bytes(s) for u, s in zip(units, combo))
+        yield size, sum(e[s] for e, s in zip(errors, combo))
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_min_bytes_meets_the_budget_with_the_fewest_bytes(seed: int) -> None:
+    units, errors = _instance(seed)
+    max_error = sum(max(e.values()) for e in errors) * 0.3
+    bins = 4000
+    found = budget.min_bytes(units, errors, max_error, bins)
+    assert found is not None and found.error <= max_error
+    assert found.bytes == sum(u.bytes(found.schemes[u.name]) for u in units)
+    # optimal up to the rounding of each unit's error up to a bin: no allocation within the
+    # budget less that slack is smaller
+    slack = len(units) * max_error / bins
+    best = min(b for b, e in _all_allocations(units, errors) if e <= max_error - slack)
+    assert found.bytes <= best
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_min_error_fits_the_size_with_the_least_error(seed: int) -> None:
+    units, errors = _instance(seed)
+    max_bytes = int(sum(u.bytes(Scheme(4, 64)) for u in units) * 1.3)
+    found = budget.min_error(units, errors, max_bytes, bins=4000)
+    assert found is not None and found.bytes <= max_bytes
+    slack = len(units) * max_bytes / 4000
+    best = min(e for b, e in _all_allocations(units, errors) if b <= max_bytes - slack)
+    assert found.error <= best + 1e-12
+
+
+def test_floor_only_upgrades() -> None:
+    units, errors = _instance(0)
+    floor = {u.name: Scheme(8, -1) for u in units}
+    found = budget.min_bytes(units, errors, 1e9, floor=floor)
+    assert found is not None and set(found.schemes.values()) == {Scheme(8, -1)}
+
+
+# ---------------------------------------------------------------------------- the whole run
+
+SETTINGS = dict(method="auto", measure_samples=2, num_samples=4, seq_len=64)
+
+
+def test_measurement_is_cached_and_predicts_each_unit(tiny_llama: Path, tmp_path: Path) -> None:
+    settings = QuantizeSettings(max_ppl_increase="1%", **SETTINGS)
+    first = measure(tiny_llama, settings, tmp_path)
+    assert [u.name for u in first.units[:4]] == [
+        "model.layers.0.self_attn.q_proj+k_proj+v_proj",
+        "model.layers.0.self_attn.o_proj",
+        "model.layers.0.mlp.gate_proj+up_proj",
+        "model.layers.0.mlp.down_proj",
+    ]
+    for errors, kl in zip(first.errors, first.reference_kl):
+        assert errors[Scheme(16)] == 0 and kl > 0
+        w4 = [e for s, e in errors.items() if s.bits == 4]
+        assert errors[Scheme(8, -1)] < min(w4) and max(w4) == kl  # measured at the coarsest
+    # additive to within 20% on this model: every unit at once against the sum
+    assert first.additivity["measured"] == pytest.approx(first.additivity["sum"], rel=0.2)
+    (cached,) = tmp_path.glob("*.json")
+    again = measure(tiny_llama, settings, tmp_path)
+    assert again.to_json() == first.to_json() == json.loads(cached.read_text())
+
+
+def test_auto_meets_its_budget_on_held_out_text(
+    tiny_llama: Path, tmp_path: Path, monkeypatch
+) -> None:
+    monkeypatch.setenv("QSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    out = tmp_path / "auto"
+    args = ["quantize", str(tiny_llama), "-m", "auto", "--max-ppl-increase", "0.05%", "-q",
+            "--measure-samples", "2", "--num-samples", "4", "--seq-len", "64",
+            "-o", str(out)]  # fmt: skip
+    result = CliRunner().invoke(cli, args, catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    record = json.loads((out / "qserve_recipe.json").read_text())["auto"]
+    assert record["met"] and record["measured"]["increase"] <= 0.0005
+    assert record["measured"]["tokens"] > 1000
+    schemes = {a["scheme"] for a in record["allocation"]}
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert qc["quant_method"] == "gptq"
+    assert bool(qc.get("dynamic")) == (len(schemes) > 1)  # a mix: dynamic rules
+    # what was verified is what the engine serves: score it again
+    scorer = run._HeldOut(tiny_llama)
+    assert scorer.increase(out) == pytest.approx(record["measured"]["increase"], abs=1e-9)
+    dry = CliRunner().invoke(cli, [*args[:-2], "--dry-run"], catch_exceptions=False)
+    assert dry.exit_code == 0 and "predicted perplexity" in dry.output
+    assert "model.layers.1.mlp.down_proj" in dry.output
+
+
+def test_auto_writes_nothing_when_no_attempt_meets_the_budget(
+    tiny_llama: Path, tmp_path: Path, monkeypatch
+) -> None:
+    monkeypatch.setattr(run, "MAX_ATTEMPTS", 2)
+    monkeypatch.setattr(run._HeldOut, "increase", lambda self, folder: 0.5)  # always +50%
+    settings = QuantizeSettings(max_ppl_increase="1%", **SETTINGS)
+    from qserve.quantize.driver import quantize_model
+
+    out = tmp_path / "never"
+    with pytest.raises(QServeError, match=r"no checkpoint met \+1% perplexity in 2 attempts"):
+        quantize_model(tiny_llama, out, settings)
+    assert not out.exists() and not list(tmp_path.glob(".never*"))
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        ([], "needs one budget"),
+        (["--max-ppl-increase", "abc"], "percentage"),
+        (["--max-ppl-increase", "1", "--target-bits", "4"], "got both"),
+        (["--target-bits", "1"], "target-bits"),
+        (["-m", "gptq", "--dry-run"], "only --method auto"),
+        (["-m", "gptq", "--target-bits", "4"], "only auto uses it"),
+    ],
+)
+def test_auto_option_errors_are_one_line(tiny_llama: Path, extra: list[str], message: str) -> None:
+    method = [] if "-m" in extra else ["-m", "auto"]
+    result = CliRunner().invoke(cli, ["quantize", str(tiny_llama), *method, *extra])
+    assert result.exit_code == 2 and message in result.output, result.output
+    assert "Traceback" not in result.output

@@ -6,8 +6,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from qserve.config import EngineConfig
+from qserve.engine.beam_search import BeamSearchParams
 from qserve.engine.llm_engine import LLMEngine
-from qserve.engine.outputs import RequestOutput
+from qserve.engine.outputs import BeamSearchOutput, RequestOutput, beam_search_output
 from qserve.engine.sampling_params import SamplingParams
 from qserve.errors import QServeError
 
@@ -40,10 +41,29 @@ class LLM:
         params = _params_per_prompt(sampling_params, len(prompts))
         ids = []
         for prompt, p in zip(prompts, params):
-            ids.append(str(self._counter))
-            self._counter += 1
+            ids.append(self._next_id())
             text_or_ids, cache_salt = _unpack(prompt)
             self.engine.add_request(ids[-1], text_or_ids, p, cache_salt=cache_salt)
+        return self._run(ids)
+
+    def beam_search(
+        self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams
+    ) -> list[BeamSearchOutput]:
+        """The best `params.beam_width` sequences of each prompt, best first (vLLM's API; the
+        search is transformers' `generate(num_beams=...)`, `qserve.engine.beam_search`)."""
+        ids = []
+        for prompt in _as_list(prompts):
+            ids.append(self._next_id())
+            text_or_ids, cache_salt = _unpack(prompt)
+            self.engine.add_beam_search_request(ids[-1], text_or_ids, params, None, cache_salt)
+        return [beam_search_output(output) for output in self._run(ids)]
+
+    def _next_id(self) -> str:
+        self._counter += 1
+        return str(self._counter - 1)
+
+    def _run(self, ids: list[str]) -> list[RequestOutput]:
+        """Step until every request has finished; their final outputs in the order of `ids`."""
         finished: dict[str, RequestOutput] = {}
         while self.engine.has_unfinished_requests():
             for output in self.engine.step():

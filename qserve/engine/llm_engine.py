@@ -5,11 +5,14 @@ from __future__ import annotations
 import functools
 import logging
 import time
+from dataclasses import replace
 from typing import Any
 
 import torch
 
 from qserve.config import EngineConfig
+from qserve.engine.beam_group import BeamSearchRequest
+from qserve.engine.beam_search import BeamSearchParams
 from qserve.engine.context_length import check_context_length
 from qserve.engine.detokenizer import IncrementalDetokenizer
 from qserve.engine.kv_cache_manager import KVCacheManager
@@ -67,6 +70,7 @@ class LLMEngine:
         self.requests: dict[str, RequestState] = {}
         # scheduler request id -> (the user's request, that one of its n samples)
         self._samples: dict[str, tuple[RequestState, SampleState]] = {}
+        self._beam_searches: dict[str, BeamSearchRequest] = {}  # by request id (= beams' group)
         self._log_startup(path, kv_spec)
 
     def _kv_cache_spec(self) -> KVCacheSpec:
@@ -182,6 +186,35 @@ class LLMEngine:
             self._samples[sample.request.request_id] = (state, sample)
             self.scheduler.add_request(sample.request)
 
+    def add_beam_search_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: BeamSearchParams,
+        arrival_time: float | None = None,
+        cache_salt: str | None = None,
+    ) -> None:
+        """Queue a beam search of `prompt`; its output (FINAL_ONLY) holds the best
+        `beam_width` sequences. Generation stops at the end of the context, as `generate`'s."""
+        if request_id in self.requests or request_id in self._beam_searches:
+            raise QServeError(f"request id {request_id!r} is already in use", param="request_id")
+        prompt_ids = self.tokenize(prompt)
+        sampling = SamplingParams(
+            temperature=params.temperature, max_tokens=params.max_tokens, ignore_eos=True
+        )
+        self._check_prompt(prompt_ids, sampling)
+        max_tokens = min(params.max_tokens, self.max_model_len - len(prompt_ids))
+        params = replace(params, max_tokens=max_tokens)
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        root = Request(
+            f"{request_id}-beam0", prompt_ids, sampling, self.eos_token_ids, self.max_model_len,
+            None, arrival, cache_salt, request_id,
+        )  # fmt: skip
+        text = prompt if isinstance(prompt, str) else None
+        self._beam_searches[request_id] = BeamSearchRequest(
+            request_id, text, root, params, self.scheduler, RequestMetrics(arrival)
+        )
+
     def _check_prompt(self, prompt_ids: list[int], params: SamplingParams) -> None:
         if not prompt_ids:
             raise QServeError("the prompt is empty", param="prompt")
@@ -237,6 +270,9 @@ class LLMEngine:
         """Finish requests now and free their blocks (a client went away)."""
         ids = [request_ids] if isinstance(request_ids, str) else request_ids
         for request_id in ids:
+            search = self._beam_searches.pop(request_id, None)
+            if search is not None:
+                search.release()
             state = self.requests.pop(request_id, None)
             if state is None:
                 continue
@@ -247,7 +283,7 @@ class LLMEngine:
 
     def request_ids(self) -> list[str]:
         """The requests in the engine (running, waiting or with samples left)."""
-        return list(self.requests)
+        return list(self.requests) + list(self._beam_searches)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -268,7 +304,28 @@ class LLMEngine:
             self.scheduler.requests[request_id].add_prompt_logprobs(entries)
         token_ids = {req_id: s.token_id for req_id, s in result.sampled.items()}
         updated = self.scheduler.update_from_output(out, token_ids)
-        return self._process_outputs(updated, result.sampled)
+        beam_outputs = self._advance_beam_searches(result.beam_logprobs)
+        return self._process_outputs(updated, result.sampled) + beam_outputs
+
+    def _advance_beam_searches(self, rows: dict[str, torch.Tensor]) -> list[RequestOutput]:
+        """Give beams their log-probabilities; advance the searches whose beams all have them.
+        A finished search's output is returned once, and the search forgotten."""
+        searches: dict[str, BeamSearchRequest] = {}
+        for beam_id, row in rows.items():
+            beam = self.scheduler.requests[beam_id]
+            beam.beam_logprobs = row
+            searches[beam.group] = self._beam_searches[beam.group]
+        outputs = []
+        now = time.monotonic()
+        for search in searches.values():
+            if search.ready:
+                search.advance()
+            search.metrics.first_token_time = search.metrics.first_token_time or now
+            if search.finished:
+                search.metrics.last_token_time = search.metrics.finished_time = now
+                del self._beam_searches[search.request_id]
+                outputs.append(search.output(self.tokenizer))
+        return outputs
 
     def _process_outputs(
         self, updated: list[Request], sampled: dict[str, SampledToken]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
@@ -69,6 +69,8 @@ class SampledToken:
 class ModelRunnerOutput:
     sampled: dict[str, SampledToken]  # request id -> its token, for requests that sampled
     prompt_logprobs: dict[str, list[Logprobs]]  # request id -> this step's prompt entries
+    # beam search: request id -> log_softmax over the vocabulary, fp32 [vocab_size]
+    beam_logprobs: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -96,13 +98,43 @@ class ModelRunner:
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step: a token for each request that reached its last known token, and the
         prompt logprobs of the prompt positions it ran for requests that ask for them."""
+        self.copy_blocks(out.blocks_to_copy)
         batch = self.prepare_inputs(out.scheduled)
         hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attn_metadata)
         prompt_logprobs = compute_prompt_logprobs(self.model, hidden, batch.prompt_spans)
         if not batch.sampling_rows:
             return ModelRunnerOutput({}, prompt_logprobs)
         logits = self.model.compute_logits(hidden[batch.logits_indices])
-        return ModelRunnerOutput(self.sample(logits, batch.sampling_rows), prompt_logprobs)
+        rows = batch.sampling_rows
+        if not any(s.request.is_beam for s in rows):
+            return ModelRunnerOutput(self.sample(logits, rows), prompt_logprobs)
+        sampled = [i for i, s in enumerate(rows) if not s.request.is_beam]
+        tokens = self.sample(logits[sampled], [rows[i] for i in sampled]) if sampled else {}
+        beam_logprobs = {
+            s.request.request_id: self.beam_row(logits[i], s)
+            for i, s in enumerate(rows)
+            if s.request.is_beam
+        }
+        return ModelRunnerOutput(tokens, prompt_logprobs, beam_logprobs)
+
+    def copy_blocks(self, blocks_to_copy: list[tuple[int, int]]) -> None:
+        """Copy-on-write: each (src, dst) block's K and V pages, every layer, before the step
+        writes into dst. All sources are read before any destination is written."""
+        if not blocks_to_copy:
+            return
+        src, dst = (torch.tensor(ids, device=self.device) for ids in zip(*blocks_to_copy))
+        for kv_cache in self.kv_caches:  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+            kv_cache[:, dst] = kv_cache[:, src]
+
+    @staticmethod
+    def beam_row(logits: torch.Tensor, row: ScheduledRequest) -> torch.Tensor:
+        """A beam's log-probabilities over the vocabulary (fp32 [vocab]), at its temperature
+        (0 or 1: the model's own, as transformers' beam search scores)."""
+        temperature = row.request.sampling_params.temperature
+        logits = logits.float()
+        if temperature not in (0.0, 1.0):
+            logits = logits / temperature
+        return torch.log_softmax(logits, dim=-1)
 
     def prepare_inputs(self, scheduled: list[ScheduledRequest]) -> ModelInput:
         bs = self.kv_spec.block_size

@@ -17,6 +17,7 @@ class CompletionOutput:
     logprobs: list[Logprobs] | None = None
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None  # the stop token id or stop string that matched
+    cumulative_logprob: float | None = None  # of a beam search's sequence: its tokens' logprobs
 
     @property
     def finished(self) -> bool:
@@ -44,6 +45,42 @@ class RequestOutput:
     # one entry per prompt token, the first None (SamplingParams.prompt_logprobs); a DELTA
     # request has it in its first output only
     prompt_logprobs: list[Logprobs | None] | None = None
+
+
+@dataclass
+class BeamSearchSequence:
+    """vLLM's: one of a beam search's best sequences."""
+
+    tokens: list[int]  # the prompt's and the generated ones
+    logprobs: list[dict[int, float]]  # per generated token: {token id: its logprob}
+    cum_logprob: float = 0.0
+    text: str | None = None  # the generated text
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class BeamSearchOutput:
+    """vLLM's: a beam search's best `beam_width` sequences, best first."""
+
+    sequences: list[BeamSearchSequence]
+
+
+def beam_search_output(output: RequestOutput) -> BeamSearchOutput:
+    """The offline API's form of a finished beam search's RequestOutput."""
+    prompt = output.prompt_token_ids
+    sequences = [
+        BeamSearchSequence(
+            tokens=prompt + c.token_ids,
+            logprobs=[{lp.sampled_token_id: lp.logprob} for lp in c.logprobs or []],
+            cum_logprob=c.cumulative_logprob or 0.0,
+            text=c.text,
+            finish_reason=c.finish_reason,
+            stop_reason=c.stop_reason,
+        )
+        for c in output.outputs
+    ]
+    return BeamSearchOutput(sequences)
 
 
 def coalesce(older: RequestOutput, newer: RequestOutput) -> RequestOutput:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import enum
 import time
 from typing import TYPE_CHECKING, Any
@@ -77,10 +78,25 @@ class Request:
         self.grammar: Any = None
         # allowed_token_ids, logit_bias and tokenized bad_words, built once by the engine
         self.token_controls: TokenControls | None = None
+        # beam search: this round's log-softmax row over the vocabulary, set once computed and
+        # cleared when the search advances (the scheduler skips a beam while it is set)
+        self.beam_logprobs: Any = None
+        # a beam: the model runner returns its log-probabilities, the search picks its tokens
+        self.is_beam = False
         # prompt logprobs so far, one per prompt token (the first None), when asked for
         self.prompt_logprobs: list[Logprobs | None] | None = (
             [None] if sampling_params.prompt_logprobs is not None else None
         )
+
+    def fork(self, request_id: str) -> Request:
+        """A copy of this sequence under another id (a beam of a beam search); the scheduler
+        forks its blocks (`Scheduler.fork_request`)."""
+        child = copy.copy(self)
+        child.request_id = request_id
+        child.output_token_ids = list(self.output_token_ids)
+        child.all_token_ids = list(self.all_token_ids)
+        child.num_preemptions = 0
+        return child
 
     @property
     def cache_salt_key(self) -> bytes:

@@ -6,6 +6,13 @@ client requests they came from (`WaitingQueue`). When a running request
 cannot get a block, the newest running request is preempted: its blocks are freed and it goes
 back to the head of the waiting queue, to be recomputed later (from the prefix cache when its
 blocks survived). Nothing is lost and the output does not change.
+
+Beam search forks requests (`fork_request`): a child shares its parent's blocks and joins it,
+running or waiting. A beam whose log-probabilities for this round are in
+(`Request.beam_logprobs`) has nothing to compute until its search advances: it is skipped while
+running, and when preempted it is parked outside the waiting queue until `resume`. When nothing
+else can run, such idle beams are preempted to admit a waiting one, so a search whose beams do
+not all fit at once still advances.
 """
 
 from __future__ import annotations
@@ -48,6 +55,8 @@ class ScheduledRequest:
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted_req_ids: list[str] = field(default_factory=list)
+    # copy-on-write of shared blocks: (src, dst) block ids, copied before the forward
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -65,14 +74,34 @@ class Scheduler:
         self.waiting = WaitingQueue()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
+        # preempted beams that wait for their search to advance, outside the waiting queue
+        self.parked: dict[str, Request] = {}
         self.num_preemptions = 0
 
     def add_request(self, request: Request) -> None:
         self.waiting.append(request)
         self.requests[request.request_id] = request
 
+    def fork_request(self, parent: Request, child: Request) -> None:
+        """Add `child`, a copy of `parent`'s tokens, sharing its blocks: running beside a running
+        parent, else waiting to be computed (a parked or waiting parent holds no blocks)."""
+        self.kv_cache_manager.fork(parent.request_id, child.request_id)
+        self.requests[child.request_id] = child
+        if parent.status == RequestStatus.RUNNING:
+            child.status = RequestStatus.RUNNING
+            child.num_computed_tokens = parent.num_computed_tokens
+            self.running.append(child)
+            return
+        child.status, child.num_computed_tokens = RequestStatus.PREEMPTED, 0
+        self.waiting.appendleft(child)
+
+    def resume(self, request: Request) -> None:
+        """A parked beam has a new token: back to the head of the waiting queue."""
+        if self.parked.pop(request.request_id, None) is not None:
+            self.waiting.appendleft(request)
+
     def has_unfinished_requests(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.parked)
 
     def schedule(self) -> SchedulerOutput:
         self.kv_cache_manager.begin_step()
@@ -83,6 +112,7 @@ class Scheduler:
             self._schedule_waiting(out, budget)
         for s in out.scheduled:
             s.request.num_computed_tokens += s.num_new_tokens
+        out.blocks_to_copy = list(self.kv_cache_manager.blocks_to_copy)
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
@@ -90,6 +120,9 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if num_new == 0:  # a beam waiting for its search to advance
+                i += 1
+                continue
             if not self._allocate_or_preempt(request, num_new, out):
                 break
             out.scheduled.append(self._scheduled(request, num_new))
@@ -113,7 +146,21 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(request)
+        if request.beam_logprobs is not None:
+            self.parked[request.request_id] = request
+        else:
+            self.waiting.appendleft(request)
+
+    def _preempt_idle(self, out: SchedulerOutput) -> bool:
+        """Preempt the newest running request with nothing to compute (a beam whose round is
+        done), to make room for a waiting one; False when there is none."""
+        for request in reversed(self.running):
+            if request.num_computed_tokens == request.num_tokens:
+                self.running.remove(request)
+                self._preempt(request)
+                out.preempted_req_ids.append(request.request_id)
+                return True
+        return False
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         running_per_group = Counter(r.group for r in self.running)
@@ -123,7 +170,9 @@ class Scheduler:
             hits, num_computed = self.kv_cache_manager.get_computed_blocks(request)
             num_new = min(request.num_tokens - num_computed, budget)
             if self.kv_cache_manager.allocate_slots(request, num_new, hits) is None:
-                break
+                if out.scheduled or not self._preempt_idle(out):
+                    break
+                continue
             self.waiting.remove(request)
             running_per_group[request.group] += 1
             request.status = RequestStatus.RUNNING
@@ -159,7 +208,8 @@ class Scheduler:
             request = self.requests.get(request_id)
             if request is None or request.is_finished:
                 continue
-            if request.status != RequestStatus.RUNNING:
+            parked = self.parked.pop(request_id, None) is not None
+            if not parked and request.status != RequestStatus.RUNNING:
                 self.waiting.remove(request)
             request.status = status
             self._free_finished(request)

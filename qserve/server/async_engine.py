@@ -25,6 +25,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
 
+from qserve.engine.beam_search import BeamSearchParams
 from qserve.engine.context_length import check_context_length
 from qserve.engine.llm_engine import LLMEngine
 from qserve.engine.outputs import RequestOutput, coalesce
@@ -207,8 +208,10 @@ class AsyncLLMEngine:
         add_special_tokens: bool = True,
         cache_salt: str | None = None,
         group: str | None = None,
+        beam: BeamSearchParams | None = None,
     ) -> RequestStream:
-        """Tokenize and check the prompt, queue the request; QServeError for bad input."""
+        """Tokenize and check the prompt, queue the request (a beam search with `beam`, whose
+        one output is final); QServeError for bad input."""
         if self.draining:
             raise EngineDeadError("the server is shutting down")
         self.check_room(params.n)
@@ -218,11 +221,18 @@ class AsyncLLMEngine:
         try:
             prompt_ids = await self.tokenize(prompt, add_special_tokens)
             check_context_length(len(prompt_ids), params, self.engine.max_model_len, True)
-            await self.call(
-                lambda engine: engine.add_request(
-                    request_id, prompt_ids, params, arrival, cache_salt, group
+            if beam is not None:
+                await self.call(
+                    lambda engine: engine.add_beam_search_request(
+                        request_id, prompt_ids, beam, arrival, cache_salt
+                    )
                 )
-            )
+            else:
+                await self.call(
+                    lambda engine: engine.add_request(
+                        request_id, prompt_ids, params, arrival, cache_salt, group
+                    )
+                )
         except BaseException:
             self._streams.pop(request_id, None)
             stream.finished = True

@@ -11,6 +11,7 @@ from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from qserve.engine.beam_search import BeamSearchParams
 from qserve.engine.sampling_params import RequestOutputKind, SamplingParams
 from qserve.errors import QServeError
 from qserve.server.request_fields import (
@@ -132,6 +133,8 @@ class SamplingRequest(OpenAIRequest):
     cache_salt: Annotated[str, Field(min_length=1, max_length=256)] | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None  # vLLM's
+    use_beam_search: bool = False  # vLLM's: a beam search of n beams, the best n returned
+    length_penalty: float = 1.0  # vLLM's, for beam search
 
     @property
     def include_usage(self) -> bool:
@@ -164,6 +167,31 @@ class SamplingRequest(OpenAIRequest):
             bad_words=self.bad_words,
             # the server streams what is new, and adds it up for a whole response
             output_kind=RequestOutputKind.DELTA,
+        )
+
+    def beam_search_params(self, params: SamplingParams) -> BeamSearchParams | None:
+        """vLLM's beam search: `n` beams, the best n returned, scored with `length_penalty`
+        (transformers' search, `qserve.engine.beam_search`); None without use_beam_search.
+        What it cannot honour (a stream, logprobs, stops, constraints) is a 400."""
+        if not self.use_beam_search:
+            return None
+        refused = {
+            "stream": self.stream,
+            "logprobs": params.logprobs is not None or params.prompt_logprobs is not None,
+            "stop": bool(params.stop or params.stop_token_ids),
+            "min_tokens": params.min_tokens > 0,
+            "response_format": params.structured_outputs is not None,
+        }
+        for name, asked in refused.items():
+            if asked:
+                raise QServeError(f"{name} is not supported with use_beam_search", param=name)
+        return BeamSearchParams(
+            beam_width=self.n,
+            max_tokens=params.max_tokens or 2**31 - 1,  # None: up to the end of the context
+            ignore_eos=self.ignore_eos,
+            temperature=_or(self.temperature, 1.0),
+            length_penalty=self.length_penalty,
+            include_stop_str_in_output=self.include_stop_str_in_output,
         )
 
     def _check_unsupported(self) -> None:

@@ -5,7 +5,7 @@
                          | {"type": "json_schema", "json_schema": {"name", "schema", "strict"}}
     structured_outputs   vLLM's: exactly one of json, regex, choice, grammar, json_object
 
-Fields a client sends expecting behaviour qserve does not have (beam search, function calling's
+Fields a client sends expecting behaviour qserve does not have (function calling's
 old `functions`, vLLM's older guided_* names) are a 400 naming the field, never a silent 200. Any
 other unknown field is accepted, as OpenAI does, and
 logged once per field name, as vLLM logs them.
@@ -27,7 +27,6 @@ logger = logging.getLogger("qserve")
 REFUSED_FIELDS = {
     "functions": "function calling is not supported",
     "function_call": "function calling is not supported",
-    "use_beam_search": "beam search is not supported yet",
     "guided_json": "use structured_outputs: {json: ...} or response_format instead",
     "guided_regex": "use structured_outputs: {regex: ...} instead",
     "guided_choice": "use structured_outputs: {choice: [...]} instead",

@@ -63,6 +63,7 @@ class OpenAIServingChat(OpenAIServing):
     async def create(self, request: ChatCompletionRequest) -> ChatCompletionResponse | SSEStream:
         self.check_model(request.model)
         params = request.sampling_params(self.max_tokens_default)
+        beam = request.beam_search_params(params)
         choice = effective_choice(request.tools or [], request.tool_choice)
         if choice == "auto" and self.tool_parser is None:
             raise APIError(
@@ -81,7 +82,7 @@ class OpenAIServingChat(OpenAIServing):
         )
         request_id = random_id("chatcmpl")
         streams = await self.add_requests(
-            request_id, [prompt_ids], params, cache_salt=request.cache_salt
+            request_id, [prompt_ids], params, cache_salt=request.cache_salt, beam=beam
         )
         if request.stream:
             return SSEStream(self._stream(request_id, request, streams), streams)

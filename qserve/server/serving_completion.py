@@ -79,10 +79,11 @@ class OpenAIServingCompletion(OpenAIServing):
     async def create(self, request: CompletionRequest) -> CompletionResponse | SSEStream:
         self.check_model(request.model)
         params = request.sampling_params(self.max_tokens_default)
+        beam = request.beam_search_params(params)
         prompts = request.prompts()
         request_id = random_id("cmpl")
         streams = await self.add_requests(
-            request_id, prompts, params, cache_salt=request.cache_salt
+            request_id, prompts, params, cache_salt=request.cache_salt, beam=beam
         )
         if request.stream:
             return SSEStream(self._stream(request_id, request, prompts, streams), streams)

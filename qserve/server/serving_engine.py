@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from qserve.engine.beam_search import BeamSearchParams
 from qserve.engine.outputs import OutputAccumulator, RequestOutput
 from qserve.engine.sampling_params import SamplingParams
 from qserve.server.async_engine import AsyncLLMEngine, EngineDeadError, RequestStream
@@ -58,9 +59,11 @@ class OpenAIServing:
         params: SamplingParams,
         add_special_tokens: bool = True,
         cache_salt: str | None = None,
+        beam: BeamSearchParams | None = None,
     ) -> list[RequestStream]:
-        """One engine request per prompt (`{request_id}-{i}`); all or none are added, and
-        none unless the request is within the limits and its sequences fit the queue."""
+        """One engine request per prompt (`{request_id}-{i}`), a beam search of each when
+        `beam` is given; all or none are added, and none unless the request is within the
+        limits and its sequences fit the queue."""
         self.limits.check_request(len(prompts), params)
         self.engine.check_room(len(prompts) * params.n)
         if params.structured_outputs is not None:  # compiled (and cached) off the engine thread
@@ -72,7 +75,7 @@ class OpenAIServing:
                 sub_id = request_id if len(prompts) == 1 else f"{request_id}-{i}"
                 streams.append(
                     await self.engine.add_request(
-                        sub_id, prompt, params, add_special_tokens, cache_salt, group=request_id
+                        sub_id, prompt, params, add_special_tokens, cache_salt, request_id, beam
                     )
                 )
         except BaseException:

@@ -90,7 +90,8 @@ BAD = [
      "tool_choice"),
     ("tool-choice", {"tool_choice": {"type": "function", "function": {"name": "g"}}},
      "tool_choice"),
-    ("beam-search", {"use_beam_search": True}, "use_beam_search"),
+    ("beam-search-stream", {"use_beam_search": True, "stream": True}, "stream"),
+    ("beam-search-logprobs", {"use_beam_search": True, "logprobs": True}, "logprobs"),
     ("guided-json", {"guided_json": {"type": "object"}}, "guided_json"),
 ]  # fmt: skip
 

@@ -146,8 +146,7 @@ def _measure(
     inputs = [X]  # inputs[b]: the float inputs of block b
     for b, block in enumerate(blocks):
         inputs.append([block(x, **kwargs[b]) for x in inputs[b]])
-    reference = [_logprobs(model, h) for h in inputs[-1]]
-    tail = _Tail(model, blocks, kwargs, reference)
+    tail = _Tail(model, blocks, kwargs, inputs[-1])
     units, errors, kls, swaps = [], [], [], []
     for b, block in enumerate(blocks):
         prefix = f"{spec.blocks}.{b}."
@@ -217,12 +216,14 @@ def _unit_name(linears: list[str]) -> str:
 
 class _Tail:
     """The float model from block b on, and the KL of its final logits against the float
-    model's (`reference`: per sample, [T, vocab] log-probabilities)."""
+    model's (from its final hidden states `final`: per sample, [T, vocab] log-probabilities,
+    summed as p (log p - log q) term by term: the KLs are small beside the entropy)."""
 
     def __init__(
-        self, model: nn.Module, blocks: nn.ModuleList, kwargs: list[dict], reference: list[Tensor]
+        self, model: nn.Module, blocks: nn.ModuleList, kwargs: list[dict], final: list[Tensor]
     ) -> None:
-        self.model, self.blocks, self.kwargs, self.reference = model, blocks, kwargs, reference
+        self.model, self.blocks, self.kwargs = model, blocks, kwargs
+        self.reference = [_logprobs(model, h) for h in final]
 
     def kl_with(self, b: int, X: list[Tensor], swap: Swap) -> float:
         """Mean KL per token with the swapped weights in place, from block b's inputs X."""

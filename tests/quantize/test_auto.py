@@ -141,6 +141,7 @@ def test_auto_meets_its_budget_on_held_out_text(
 def test_auto_writes_nothing_when_no_attempt_meets_the_budget(
     tiny_llama: Path, tmp_path: Path, monkeypatch
 ) -> None:
+    monkeypatch.setenv("QSERVE_CACHE_DIR", str(tmp_path / "cache"))  # not the user's cache
     monkeypatch.setattr(run, "MAX_ATTEMPTS", 2)
     monkeypatch.setattr(run._HeldOut, "increase", lambda self, folder: 0.5)  # always +50%
     settings = QuantizeSettings(max_ppl_increase="1%", **SETTINGS)

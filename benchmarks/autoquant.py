@@ -125,6 +125,19 @@ def texts(model: Path) -> dict[str, list[int]]:
 
 def quantized_row(
     model: Path, name: str, kind: str, settings: Any, tmp: Path, args: argparse.Namespace, ids
+) -> Row | None:
+    """The row of one checkpoint; None (and a line on stderr) when it cannot be made."""
+    from qserve.errors import QServeError
+
+    try:
+        return _quantized_row(model, name, kind, settings, tmp, args, ids)
+    except QServeError as exc:
+        print(f"  {name}: not made ({exc})", file=sys.stderr, flush=True)
+        return None
+
+
+def _quantized_row(
+    model: Path, name: str, kind: str, settings: Any, tmp: Path, args: argparse.Namespace, ids
 ) -> Row:
     from qserve.quantize.driver import quantize_model
 
@@ -150,7 +163,7 @@ def _mb(folder: Path) -> float:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from qserve.quantize.auto.measure import measure, measurement_key
+    from qserve.quantize.auto.measure import measure
     from qserve.quantize.driver import auto_cache_dir
     from qserve.quantize.settings import QuantizeSettings
 
@@ -161,17 +174,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     config = json.loads((model / "config.json").read_text())
     hidden, inter = config["hidden_size"], config["intermediate_size"]
     groups = [g for g in (128, 64, 32) if hidden % g == 0 and inter % g == 0]
-    rows: list[Row] = []
+    rows: list[Row | None] = []
     base = score(model, ids, args.eval_tokens)
     rows.append(Row("baseline", "baseline", 16.0, _mb(model), base["heldout"], base["in_domain"]))
     log(rows[-1], base)
     with tempfile.TemporaryDirectory(prefix="qserve-autoquant-") as tmp:
         auto = QuantizeSettings(method="auto", max_ppl_increase="1%", **common)
-        cached = auto_cache_dir() / f"{measurement_key(model, auto)}.json"
-        cached.unlink(missing_ok=True)  # timed from scratch here; the auto rows read it back
-        start = time.monotonic()
-        measure(model, auto, auto_cache_dir())
-        measure_seconds = time.monotonic() - start
+        # the measurement records its own time (when read back from the cache, that of the
+        # run that made it); the auto rows read it from the cache
+        measure_seconds = measure(model, auto, auto_cache_dir()).seconds
         jobs = [
             (f"W4 g{g}", "uniform", QuantizeSettings(bits=4, group_size=g, **common))
             for g in groups
@@ -189,7 +200,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for name, kind, settings in jobs:
             rows.append(quantized_row(model, name, kind, settings, Path(tmp), args, ids))
             log(rows[-1], base)
-        for target in [r for r in rows if r.name in ("W4 g64", "llama.cpp mix")]:
+        for target in [r for r in rows if r is not None and r.name in ("W4 g64", "llama.cpp mix")]:
             bits = target.bits_per_weight
             settings = QuantizeSettings(method="auto", target_bits=bits, **common)
             rows.append(
@@ -202,17 +213,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 quantized_row(model, f"auto {b:g}%", "auto", settings, Path(tmp), args, ids)
             )
             log(rows[-1], base)
-    w4 = next((r for r in rows if r.name == "W4 g64"), None)
+    w4 = next((r for r in rows if r is not None and r.name == "W4 g64"), None)
     return {
         "model": args.model,
         "args": run_arguments(args),
         "measure_seconds": measure_seconds,
         "gptq_seconds": w4.quant_seconds if w4 else None,
-        "rows": [dataclasses.asdict(r) for r in rows],
+        "rows": [dataclasses.asdict(r) for r in rows if r is not None],
     }
 
 
-def log(row: Row, base: dict[str, float]) -> None:
+def log(row: Row | None, base: dict[str, float]) -> None:
+    """A line per row on stderr (the JSON is written at the end)."""
+    if row is None:
+        return
     print(
         f"  {row.name}: {row.bits_per_weight:.3f} bits, held-out {row.heldout:.3f} "
         f"({100 * (row.heldout / base['heldout'] - 1):+.2f}%)",

@@ -126,8 +126,14 @@ def min_error(
     """The allocation of least summed error whose bytes are at most `max_bytes` (None: none
     fits, even the smallest scheme everywhere)."""
     options = _options(units, errors, None)
-    step = max_bytes / bins
-    weights = [[_bins(b, step) for _, b, _ in opts] for opts in options]
+    # only the bytes above each unit's smallest scheme are discretized (rounded up), so the
+    # smallest allocation fits whenever max_bytes allows it
+    least = [min(b for _, b, _ in opts) for opts in options]
+    spare = max_bytes - sum(least)
+    if spare < 0:
+        return None
+    step = max(spare, 1) / bins
+    weights = [[_bins(b - low, step) for _, b, _ in opts] for opts, low in zip(options, least)]
     costs = [[e for _, _, e in opts] for opts in options]
     choice = _knapsack(costs, weights, bins)
     return None if choice is None else _allocation(units, options, choice)

@@ -322,8 +322,9 @@ def quantization_config(
     if "lm_head" in quantized:
         qconfig["lm_head"] = True
     if s.dynamic:  # per-module schemes: GPTQModel's format, read by vLLM and qserve
-        names = [spec.checkpoint_name(n) for n, m in model.named_modules()]
-        names = [n for n, m in zip(names, model.modules()) if isinstance(m, nn.Linear)]
+        names = [
+            spec.checkpoint_name(n) for n, m in model.named_modules() if isinstance(m, nn.Linear)
+        ]
         default = Scheme(s.bits, s.group_size)
         qconfig["dynamic"] = gptq_dynamic(disjoint_rules(s.rules, names, default))
     if any(n.startswith(f"{spec.blocks}.") for n in skipped):

@@ -5,8 +5,9 @@
         [--calib-seq-len 256] [--seq-len 512] [--max-tokens 2048] [--dtype bfloat16]
         [--num-threads 1] [--output benchmarks/results/quality.json]
 
-Calibration: `qserve.quantize`'s default, the bundled mix of fiction (Moby-Dick ch. 11-135),
-drama, encyclopedia prose, Python documentation and Python code (`qserve.data.calibration_text`).
+Calibration (`--calib`): `qserve quantize`'s default, Moby-Dick ch. 11-135; `mixed` is the
+bundled mix of fiction, drama, encyclopedia prose, Python documentation and Python code
+(`qserve.data.calibration_text`); or a file.
 Every row is scored on two texts, each the first `--max-tokens` tokens (0: all) in
 non-overlapping `--seq-len` windows, the same token ids for every row (tokenized once):
 
@@ -498,8 +499,9 @@ def print_summary(summary: dict[str, Any]) -> None:
     print(
         f"{summary['model']}: perplexity, {span} tokens in {s['seq_len']}-token windows, of "
         f"Moby-Dick ch. 1-10 (in-domain, {rows[0].num_tokens} scored) and of State of the Union "
-        f"2010-2020 (held-out, {rows[0].heldout_num_tokens} scored); calibration: the bundled "
-        f"mix, {s['num_samples']} x {s['calib_seq_len']} tokens; activations {s['dtype']}"
+        f"2010-2020 (held-out, {rows[0].heldout_num_tokens} scored); calibration: "
+        f"{s.get('calib', 'default')}, {s['num_samples']} x {s['calib_seq_len']} tokens; "
+        f"activations {s['dtype']}"
     )
     print(format_table(rows, rows[0].perplexity, rows[0].heldout_perplexity))
     labels = {r.method: r.label for r in rows}

@@ -89,7 +89,7 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
-        if hits and len(hits) * self.block_size >= request.num_tokens:
+        if hits and len(hits) * self.block_size >= request.num_tokens_to_compute:
             hits.pop()
         num_computed_tokens = len(hits) * self.block_size
         self.prefix_cache_stats.queries += request.num_tokens

@@ -157,10 +157,11 @@ class LLMEngine:
         cache_salt: str | None = None,
         group: str | None = None,
     ) -> None:
-        """Queue `params.n` samples of `prompt`. Requests share prefix-cache blocks only with
-        requests of the same `cache_salt` (None: with every unsalted request). `group` names
-        the client request this one is part of (default: itself), between which the scheduler
-        shares the running slots fairly."""
+        """Queue `params.n` samples of `prompt`: the first computes the prompt, the others fork
+        its blocks before its last token (`Scheduler._fork_samples`). Requests share
+        prefix-cache blocks only with requests of the same `cache_salt` (None: with every
+        unsalted request). `group` names the client request this one is part of (default:
+        itself), between which the scheduler shares the running slots fairly."""
         if request_id in self.requests:
             raise QServeError(f"request id {request_id!r} is already in use", param="request_id")
         prompt_ids = self.tokenize(prompt)
@@ -184,7 +185,12 @@ class LLMEngine:
         self.requests[request_id] = state
         for sample in samples:
             self._samples[sample.request.request_id] = (state, sample)
-            self.scheduler.add_request(sample.request)
+        first, *others = [s.request for s in samples]
+        if len(prompt_ids) > 1:  # the others fork from the first before the last prompt token
+            first.forks = others
+            others = []
+        for request in (first, *others):
+            self.scheduler.add_request(request)
 
     def add_beam_search_request(
         self,

@@ -83,6 +83,9 @@ class Request:
         self.beam_logprobs: Any = None
         # a beam: the model runner returns its log-probabilities, the search picks its tokens
         self.is_beam = False
+        # n > 1: the other samples, forked from this one once it has computed all but the last
+        # prompt token (they then share its blocks, the partial last one copied on write)
+        self.forks: list[Request] = []
         # prompt logprobs so far, one per prompt token (the first None), when asked for
         self.prompt_logprobs: list[Logprobs | None] | None = (
             [None] if sampling_params.prompt_logprobs is not None else None
@@ -115,6 +118,12 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    @property
+    def num_tokens_to_compute(self) -> int:
+        """How far the scheduler may compute this request now: every token, except the last
+        prompt token while samples wait to be forked before it."""
+        return self.num_tokens - 1 if self.forks else self.num_tokens
 
     @property
     def num_prompt_tokens(self) -> int:

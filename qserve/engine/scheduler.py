@@ -8,11 +8,12 @@ back to the head of the waiting queue, to be recomputed later (from the prefix c
 blocks survived). Nothing is lost and the output does not change.
 
 Beam search forks requests (`fork_request`): a child shares its parent's blocks and joins it,
-running or waiting. A beam whose log-probabilities for this round are in
-(`Request.beam_logprobs`) has nothing to compute until its search advances: it is skipped while
-running, and when preempted it is parked outside the waiting queue until `resume`. When nothing
-else can run, such idle beams are preempted to admit a waiting one, so a search whose beams do
-not all fit at once still advances.
+running or waiting. So do the samples of an n > 1 request: the first computes the prompt but
+its last token, then the others are forked from it and each computes that token itself. A beam
+whose log-probabilities for this round are in (`Request.beam_logprobs`) has nothing to compute
+until its search advances: it is skipped while running, and when preempted it is parked outside
+the waiting queue until `resume`. When nothing else can run, such idle beams are preempted to
+admit a waiting one, so a search whose beams do not all fit at once still advances.
 """
 
 from __future__ import annotations
@@ -95,6 +96,17 @@ class Scheduler:
         child.status, child.num_computed_tokens = RequestStatus.PREEMPTED, 0
         self.waiting.appendleft(child)
 
+    def _fork_samples(self, parent: Request) -> None:
+        """The n > 1 siblings of `parent`, which has computed all but its last prompt token,
+        join it on its blocks; those past `max_num_seqs` wait as requests of their own (sharing
+        the prompt's full blocks through the prefix cache)."""
+        room = max(self.config.max_num_seqs - len(self.running), 0)
+        forks, parent.forks = parent.forks, []
+        for child in forks[:room]:
+            self.fork_request(parent, child)
+        for child in forks[room:]:
+            self.add_request(child)
+
     def resume(self, request: Request) -> None:
         """A parked beam has a new token: back to the head of the waiting queue."""
         if self.parked.pop(request.request_id, None) is not None:
@@ -119,7 +131,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if request.forks and request.num_computed_tokens == request.num_tokens - 1:
+                self._fork_samples(request)
+            num_new = min(request.num_tokens_to_compute - request.num_computed_tokens, budget)
             if num_new == 0:  # a beam waiting for its search to advance
                 i += 1
                 continue
@@ -168,7 +182,7 @@ class Scheduler:
             request = self.waiting.peek(running_per_group)
             assert request is not None
             hits, num_computed = self.kv_cache_manager.get_computed_blocks(request)
-            num_new = min(request.num_tokens - num_computed, budget)
+            num_new = min(request.num_tokens_to_compute - num_computed, budget)
             if self.kv_cache_manager.allocate_slots(request, num_new, hits) is None:
                 if out.scheduled or not self._preempt_idle(out):
                     break

@@ -2,7 +2,7 @@
 it (copy-on-write). Exact block ids, ref counts and free-queue contents at each stage."""
 
 from qserve.engine.kv_cache_manager import KVCacheManager
-from qserve.engine.request import Request
+from qserve.engine.request import Request, RequestStatus
 from qserve.engine.sampling_params import SamplingParams
 from qserve.engine.scheduler import Scheduler, SchedulerConfig
 
@@ -131,3 +131,43 @@ def test_scheduler_forks_running_beam_and_schedules_the_copy():
     assert [(r.request.request_id, r.num_new_tokens) for r in out.scheduled] == [("b", 1)]
     assert out.blocks_to_copy == [(1, 2)]
     assert out.scheduled[0].block_ids == [0, 2]
+
+
+def scheduled(out) -> list[tuple[str, int, list[int]]]:
+    return [(r.request.request_id, r.num_new_tokens, r.block_ids) for r in out.scheduled]
+
+
+def test_n_samples_fork_before_the_last_prompt_token():
+    """n = 3 on a 6-token prompt (blocks of 4): the first sample computes 5 tokens; then the
+    other two join it on blocks [0, 1], and each computes token 6 into the shared partial
+    block 1: the first two to write get copies, the last writes the original."""
+    m = KVCacheManager(num_blocks=8, block_size=4)
+    s = Scheduler(SchedulerConfig(max_num_batched_tokens=64), m)
+    a, b, c = (make_request(i, list(range(6))) for i in "abc")
+    a.forks = [b, c]
+    s.add_request(a)
+    out = s.schedule()
+    assert scheduled(out) == [("a", 5, [0, 1])] and not out.scheduled[0].needs_logits
+    assert ref_counts(m)[:3] == [1, 1, 0]
+    out = s.schedule()
+    assert a.forks == [] and [r.request_id for r in s.running] == ["a", "b", "c"]
+    assert scheduled(out) == [("a", 1, [0, 2]), ("b", 1, [0, 3]), ("c", 1, [0, 1])]
+    assert out.blocks_to_copy == [(1, 2), (1, 3)]
+    assert all(r.needs_logits for r in out.scheduled)
+    assert ref_counts(m)[:5] == [3, 1, 1, 1, 0]
+    for request_id in "abc":
+        s.finish_requests([request_id], RequestStatus.FINISHED_ABORTED)
+    assert ref_counts(m) == [0] * 8 and sorted(free_ids(m)) == list(range(8))
+
+
+def test_n_samples_past_max_num_seqs_wait_as_requests_of_their_own():
+    m = KVCacheManager(num_blocks=8, block_size=4)
+    s = Scheduler(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64), m)
+    a, b, c = (make_request(i, list(range(8))) for i in "abc")
+    a.forks = [b, c]
+    s.add_request(a)
+    assert scheduled(s.schedule()) == [("a", 7, [0, 1])]
+    # block 0 is full and cached: c, waiting, will find it; the partial block 1 is forked to b
+    out = s.schedule()
+    assert scheduled(out) == [("a", 1, [0, 2]), ("b", 1, [0, 1])]
+    assert out.blocks_to_copy == [(1, 2)] and list(s.waiting) == [c]

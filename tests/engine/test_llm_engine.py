@@ -110,12 +110,19 @@ def test_cache_salt_shares_blocks_only_within_a_salt(model_dir, prompts, expecte
 def test_n_samples_share_the_prompt_blocks(model_dir, prompts):
     llm = make_llm(model_dir)
     engine = llm.engine
-    engine.add_request("r", prompts[1], SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=8))
-    engine.step()
-    blocks = [engine.scheduler.kv_cache_manager.get_block_ids(f"{i}_r") for i in range(3)]
+    params = SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=8)
+    engine.add_request("r", prompts[1], params)
+    engine.step()  # sample 0 computes 119 of the 120 prompt tokens; the others wait for it
+    manager = engine.scheduler.kv_cache_manager
+    assert manager.get_block_ids("1_r") == manager.get_block_ids("2_r") == []
+    engine.step()  # they fork and each computes the last prompt token into a copy of block 7
+    blocks = [manager.get_block_ids(f"{i}_r") for i in range(3)]
     full = 120 // 16
     assert blocks[0][:full] == blocks[1][:full] == blocks[2][:full]
     assert len({b[full] for b in blocks}) == 3  # each sample writes its own last block
+    assert sorted(dst for _, dst in engine.scheduler.kv_cache_manager.blocks_to_copy) == sorted(
+        b[full] for b in blocks[:2]
+    )
     while engine.has_unfinished_requests():
         outs = engine.step()
     texts = [o.token_ids for o in outs[0].outputs]

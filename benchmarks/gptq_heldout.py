@@ -59,6 +59,8 @@ VARIANTS = {
         _gptq("gptq", "GPTQ (GPTAQ), Moby-Dick", "default", gptaq=True),
         _gptq("gptq-plain", "GPTQ --no-gptaq, Moby-Dick", "default", gptaq=False),
         _gptq("gptq-damp0.1", "GPTQ (GPTAQ) damp 0.1, Moby-Dick", "default", damp=0.1),
+        _gptq("gptq-mse", "GPTQ (GPTAQ) + mse, Moby-Dick", "default", mse=True),
+        _gptq("gptq-mse-damp0.3", "GPTQ (GPTAQ) + mse, damp 0.3", "default", mse=True, damp=0.3),
         _gptq("mixed-gptq", "GPTQ (GPTAQ), mix", "mixed", gptaq=True),
         _gptq("mixed-gptq-plain", "GPTQ --no-gptaq, mix", "mixed", gptaq=False),
         _gptq("mixed-gptq-damp0.05", "GPTQ (GPTAQ) damp 0.05, mix", "mixed", damp=0.05),

@@ -56,16 +56,17 @@ CASES: dict[str, dict[str, Any]] = {
         **CALIB,
     },  # fmt: skip
 }
-# cpu_kind -> case -> sha256 (recorded at commit eddb644, before the driver was split)
+# cpu_kind -> case -> sha256 (recorded at commit eddb644, before the driver was split; the gptq
+# cases again when --mse became GPTQ's default)
 HASHES: dict[str, dict[str, str]] = {
     "x86_64-AVX512-GenuineIntel": {  # Intel Xeon with AMX and AVX-512 BF16
         "awq": "9719ffa293ade867ff6a79ee47abe138aa0de53292bdf3372ca101f63dc97868",
         "fp8": "327da466984fa54b98f9493556a090a117cb7ede44c9272489a3e8bc9219558c",
         "fp8-dynamic-kv": "0335aad702da971e7c9c39d9589a5bce04feec4f82d100dccaa8a03983e9e5d0",
-        "gptaq": "501f9e45e0eaaec8894cdb664d827ad5355fb4ff0d41b1edbdeef60f4ad7d277",
-        "gptaq-lm-head": "63161e8bfc3b1562e210b6fd07b5e37a27dcde73a462977d61839e0373052b5d",
-        "gptq": "33bf9a5d0358df214365d421b8562cbe4369685e70ca92f7cd47fa250b1fd2fd",
-        "gptq-act-order": "77ba46e5322ac0b9dfc9de684d59af6cdf48d890cd5a69a053efee0bd144788c",
+        "gptaq": "8b1d24323e6cd75e9e7821a0cead4a1545aadd3882d68d41aef0ce46e5b463b2",
+        "gptaq-lm-head": "aa923f69228ad8d06d4899f25ad5b746c317d0b332fa99cd8a25d5e087af6fef",
+        "gptq": "98089c6fb909cdf580e8458e43ec6a6473d36761361669052734f3c2dc9afd7b",
+        "gptq-act-order": "fb2e572f406bca07ca40b8a6624fd4bbdc4e5f628ad98d86b066cc1944a30742",
         "int8": "47297089996c98785e4826ad4139d014643758d217de4c0e7ac21162d2d03ccc",
         "int8-static": "13f0d534cd0cfd3436f87c80b9d4a796c33238369bf6a80df593f069b12e9507",
         "rtn": "1d25db01851bf237fb271325566daf867a0cde35c04378f1623f3a15305687e4",

@@ -3,10 +3,11 @@ time, each scored in-domain and held-out.
 
     python benchmarks/gptq_heldout.py [--model smollm2-135m] [--variants all]
         [--num-samples 128] [--calib-seq-len 512] [--max-tokens 4096] [--dtype float32]
-        [--num-threads 2] [--output benchmarks/results/gptq_heldout.json]
+        [--num-threads 2] [--output benchmarks/results/gptq_heldout.json] [--append]
 
 Every variant is `qserve quantize` w4 at the model's group size (64 for SmolLM2) with one
-setting changed from qserve's default, or a third-party quantizer on the same calibration ids.
+setting changed from qserve's default (calibration: Moby-Dick ch. 11+, or `mixed`), a
+third-party quantizer on the same calibration ids, or INT8 / FP8 W8A8 (their own defaults).
 Scoring is `benchmarks/quality.py`'s: perplexity on Moby-Dick ch. 1-10 (in-domain: the book of
 the default calibration) and on the State of the Union 2010-2020 (held-out: no calibration
 source is of its kind), the first `--max-tokens` tokens of each in 512-token windows. The
@@ -19,8 +20,10 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import sys
 import tempfile
+import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -41,7 +44,7 @@ W4 = {"bits": 4}
 @dataclass(frozen=True)
 class Variant:
     name: str
-    calib: str  # default (Moby-Dick ch. 11+) | mixed (the bundled five-source mix)
+    calib: str  # default (Moby-Dick ch. 11+) | mixed (the bundled five-source mix) | generated
     method: quality.Method
     num_samples: int | None = None  # None: --num-samples
 
@@ -56,19 +59,24 @@ VARIANTS = {
     for v in [
         Variant("baseline", "default", quality.METHODS["baseline"]),
         Variant("rtn", "default", quality.METHODS["rtn"]),
-        _gptq("gptq", "GPTQ (GPTAQ), Moby-Dick", "default", gptaq=True),
-        _gptq("gptq-plain", "GPTQ --no-gptaq, Moby-Dick", "default", gptaq=False),
-        _gptq("gptq-damp0.1", "GPTQ (GPTAQ) damp 0.1, Moby-Dick", "default", damp=0.1),
-        _gptq("gptq-mse", "GPTQ (GPTAQ) + mse, Moby-Dick", "default", mse=True),
-        _gptq("gptq-mse-damp0.3", "GPTQ (GPTAQ) + mse, damp 0.3", "default", mse=True, damp=0.3),
-        _gptq("mixed-gptq", "GPTQ (GPTAQ), mix", "mixed", gptaq=True),
-        _gptq("mixed-gptq-plain", "GPTQ --no-gptaq, mix", "mixed", gptaq=False),
-        _gptq("mixed-gptq-damp0.05", "GPTQ (GPTAQ) damp 0.05, mix", "mixed", damp=0.05),
-        _gptq("mixed-gptq-damp0.1", "GPTQ (GPTAQ) damp 0.1, mix", "mixed", damp=0.1),
-        _gptq("mixed-gptq-act", "GPTQ (GPTAQ) act-order, mix", "mixed", desc_act=True),
-        _gptq("mixed-gptq-mse", "GPTQ (GPTAQ) + mse, mix", "mixed", mse=True),
-        _gptq("mixed-gptq-noaga", "GPTQ (GPTAQ) column order, mix", "mixed", act_group_aware=False),
-        replace(_gptq("mixed-gptq-32", "GPTQ (GPTAQ), mix, 32 samples", "mixed"), num_samples=32),
+        _gptq("gptq", "GPTQ (default: GPTAQ + mse)", "default"),
+        _gptq("gptq-minmax", "GPTQ (GPTAQ) --no-mse", "default", mse=False),
+        _gptq("gptq-plain", "GPTQ --no-gptaq", "default", gptaq=False),
+        _gptq("gptq-plain-minmax", "GPTQ --no-gptaq --no-mse", "default", gptaq=False, mse=False),
+        _gptq("gptq-damp0.1", "GPTQ damp 0.1", "default", damp=0.1),
+        _gptq("gptq-damp0.3", "GPTQ damp 0.3", "default", damp=0.3),
+        _gptq("gptq-act", "GPTQ act-order", "default", desc_act=True),
+        _gptq("generated-gptq", "GPTQ, --calib generated", "generated"),
+        _gptq("mixed-gptq", "GPTQ, --calib mixed", "mixed"),
+        _gptq("mixed-gptq-minmax", "GPTQ --no-mse, --calib mixed", "mixed", mse=False),
+        _gptq(
+            "mixed-gptq-plain-minmax",
+            "GPTQ --no-gptaq --no-mse, mixed",
+            "mixed",
+            gptaq=False,
+            mse=False,
+        ),  # fmt: skip
+        replace(_gptq("mixed-gptq-32", "GPTQ, --calib mixed, 32 samples", "mixed"), num_samples=32),
         Variant("awq", "default", quality.METHODS["awq"]),
         Variant("mixed-awq", "mixed", replace(quality.METHODS["awq"], name="mixed-awq")),
         Variant("gptqmodel", "default", quality.METHODS["gptqmodel"]),
@@ -77,6 +85,8 @@ VARIANTS = {
             "mixed",
             replace(quality.METHODS["gptqmodel"], name="mixed-gptqmodel"),
         ),
+        Variant("int8", "default", quality.METHODS["int8"]),
+        Variant("fp8", "default", quality.METHODS["fp8"]),
     ]
 }
 
@@ -86,7 +96,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     model = resolve_model(args.model)
     ids, heldout = quality.eval_tokens(model), quality.heldout_tokens(model)
     args.group_size = quality.auto_group_size(model)
-    rows: list[dict[str, Any]] = []
+    rows = _kept_rows(args)
     with tempfile.TemporaryDirectory(prefix="qserve-gptq-heldout-") as tmp:
         for name in args.variants:
             v = VARIANTS[name]
@@ -98,10 +108,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             run_args.calib = v.calib
             run_args.num_samples = v.num_samples or args.num_samples
             row = quality.run_method(model, method, ids, Path(tmp), run_args, heldout)
-            rows.append({"variant": name, "calib": v.calib, **asdict(row)})
+            rows = [r for r in rows if r["variant"] != name]
+            day = time.strftime("%Y-%m-%d")
+            rows.append({"variant": name, "calib": v.calib, "measured": day, **asdict(row)})
             quality.log(f"  {name}: {row.perplexity:.3f} in-domain, {row.heldout_perplexity:.3f}")
             write_results(args.output, summarize(args, rows))
     return summarize(args, rows)
+
+
+def _kept_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """With --append, the output's rows of variants this run does not measure (perplexities
+    are deterministic for a checkpoint; each row's times are its own run's)."""
+    if not args.append or not args.output.is_file():
+        return []
+    old = json.loads(args.output.read_text())["rows"]
+    return [r for r in old if r["variant"] not in args.variants and r["variant"] in VARIANTS]
 
 
 def _installed(tool: str) -> bool:
@@ -114,28 +135,39 @@ def summarize(args: argparse.Namespace, rows: list[dict[str, Any]]) -> dict[str,
     for r in rows:
         r["recovery"] = _recovery(by, r, "perplexity")
         r["heldout_recovery"] = _recovery(by, r, "heldout_perplexity")
+        for key, name in (("perplexity", "increase"), ("heldout_perplexity", "heldout_increase")):
+            base = by.get("baseline", {}).get(key)
+            r[name] = r[key] / base - 1 if base else None
     return {"model": args.model, "settings": run_arguments(args), "rows": rows}
 
 
 def _recovery(by: dict[str, dict[str, Any]], row: dict[str, Any], key: str) -> float | None:
     if "baseline" not in by or "rtn" not in by or row["quant_seconds"] is None:
         return None
+    if row["variant"] in ("int8", "fp8"):
+        return None  # W8: compared with the baseline, not with W4 RTN
     base, rtn = by["baseline"][key], by["rtn"][key]
     return (rtn - row[key]) / (rtn - base) if rtn > base else None
 
 
 def format_table(summary: dict[str, Any]) -> str:
-    head = f"{'variant':<36}{'in-domain':>10}{'recov':>7}{'held-out':>10}{'recov':>7}{'quant s':>9}"
+    head = (
+        f"{'variant':<36}{'in-domain':>10}{'vs base':>8}{'recov':>7}"
+        f"{'held-out':>10}{'vs base':>8}{'recov':>7}{'quant s':>9}"
+    )
     lines = [head, "-" * len(head)]
     for r in summary["rows"]:
-        rec = "-" if r["recovery"] is None else f"{100 * r['recovery']:.0f}%"
-        held = "-" if r["heldout_recovery"] is None else f"{100 * r['heldout_recovery']:.0f}%"
         quant = "-" if r["quant_seconds"] is None else f"{r['quant_seconds']:.0f}"
         lines.append(
-            f"{r['label']:<36}{r['perplexity']:>10.3f}{rec:>7}"
-            f"{r['heldout_perplexity']:>10.3f}{held:>7}{quant:>9}"
+            f"{r['label']:<36}{r['perplexity']:>10.3f}{_pct(r.get('increase'), '+'):>8}"
+            f"{_pct(r['recovery']):>7}{r['heldout_perplexity']:>10.3f}"
+            f"{_pct(r.get('heldout_increase'), '+'):>8}{_pct(r['heldout_recovery']):>7}{quant:>9}"
         )
     return "\n".join(lines)
+
+
+def _pct(x: float | None, sign: str = "") -> str:
+    return "-" if x is None else f"{100 * x:{sign}.1f}%"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -150,6 +182,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kv-cache-memory", default="64MiB")
     p.add_argument("--num-threads", type=int, default=2)
     p.add_argument("--output", type=Path, default=DEFAULT_OUTPUT)
+    p.add_argument(
+        "--append", action="store_true", help="keep the output's rows of the other variants"
+    )
     args = p.parse_args(argv)
     names = list(VARIANTS) if args.variants == "all" else args.variants.split(",")
     unknown = [n for n in names if n not in VARIANTS]

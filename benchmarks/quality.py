@@ -215,14 +215,13 @@ def quantize_third_party(model: Path, method: Method, out: Path, args: argparse.
 
 def calibration_ids(model: Path, args: argparse.Namespace) -> torch.Tensor:
     """The windows `quantize_model` calibrates on: [num_samples, calib_seq_len] token ids of
-    the bundled calibration text, tokenized by the model's tokenizer."""
+    `--calib`, tokenized by the model's tokenizer."""
     from transformers import AutoTokenizer
 
-    from qserve.quantize.calibration import calibration_windows, load_calibration_text
+    from qserve.quantize.calibration import calibration_ids as ids_of
 
     tokenizer = AutoTokenizer.from_pretrained(model)
-    text = load_calibration_text(args.calib)
-    return calibration_windows(tokenizer, text, args.num_samples, args.calib_seq_len)
+    return ids_of(model, tokenizer, args.calib, args.num_samples, args.calib_seq_len)
 
 
 def auto_group_size(model: Path) -> int:

@@ -5,7 +5,8 @@ The default is chapters 11-135 of Moby-Dick (public domain), bundled as
 permissively licensed English text (fiction, drama, encyclopedia prose, Python documentation,
 Python code; `qserve.data.calibration_text`, sources in qserve/data/README.md), interleaved so
 every window count samples each source evenly: one book alone makes GPTQ fit that book (issue
-27). It becomes the default once it is measured to help on held-out text.
+27). `generated` is half text the model samples itself, half the default text
+(`qserve.quantize.generated`).
 """
 
 from __future__ import annotations
@@ -19,15 +20,16 @@ from torch import Tensor
 
 from qserve.data import CALIBRATION_FILE, calibration_text, read_text
 from qserve.errors import QServeError, read_user_text
+from qserve.quantize.generated import GENERATED, generated_ids, mixed_with_generated
 
-__all__ = ["load_calibration_text", "calibration_windows"]
+__all__ = ["load_calibration_text", "calibration_windows", "calibration_ids"]
 
 
 def load_calibration_text(calib: str | Path | None = None) -> str:
     """Text of a .txt file, of a .jsonl file (field "text" of each line, or a bare string per
-    line), of the bundled default (Moby-Dick) when `calib` is None or "default", or of the
-    bundled mix of five sources when it is "mixed"."""
-    if calib is None or str(calib) == "default":
+    line), of the bundled default (Moby-Dick) when `calib` is None, "default" or "generated"
+    (its text half), or of the bundled mix of five sources when it is "mixed"."""
+    if calib is None or str(calib) in ("default", GENERATED):
         return read_text(CALIBRATION_FILE)
     if str(calib) == "mixed":
         return calibration_text()
@@ -79,3 +81,18 @@ def calibration_windows(tokenizer: Any, text: str, num_samples: int, seq_len: in
         stride = (T - seq_len) / max(1, num_samples - 1)
         starts = [round(i * stride) for i in range(num_samples)]
     return torch.stack([ids[s : s + seq_len] for s in starts])
+
+
+def calibration_ids(
+    model_path: Path, tokenizer: Any, calib: str | Path | None, num_samples: int, seq_len: int
+) -> Tensor:
+    """The calibration windows [num_samples, seq_len] of `calib` for the model at `model_path`:
+    windows of a text, or for "generated" half sampled from the model, half of the default
+    text, alternating."""
+    if str(calib) != GENERATED:
+        return calibration_windows(tokenizer, load_calibration_text(calib), num_samples, seq_len)
+    generated = generated_ids(model_path, (num_samples + 1) // 2, seq_len)
+    if num_samples == 1:
+        return generated
+    text = calibration_windows(tokenizer, load_calibration_text(), num_samples // 2, seq_len)
+    return mixed_with_generated(generated, text)

@@ -58,7 +58,7 @@ from qserve.quantize import output_dir as output_dir_rules
 from qserve.quantize.arch import ArchSpec, arch_spec
 from qserve.quantize.auto import run as auto_run
 from qserve.quantize.block_context import FEW_TOKENS_FRACTION, BlockContext, Reference
-from qserve.quantize.calibration import calibration_windows, load_calibration_text
+from qserve.quantize.calibration import calibration_ids
 from qserve.quantize.capture import capture_block_inputs
 from qserve.quantize.export import SEARCH_FILE
 from qserve.quantize.fold import ScaleResult
@@ -171,8 +171,9 @@ def quantize_model(
             blocks.set_replay(found)
         input_ids = None
         if settings.needs_calibration(replay):
-            text = load_calibration_text(settings.calib)
-            input_ids = calibration_windows(tokenizer, text, settings.num_samples, settings.seq_len)
+            input_ids = calibration_ids(
+                model_path, tokenizer, settings.calib, settings.num_samples, settings.seq_len
+            )
         results = quantize_blocks(
             model, spec, settings, input_ids, None if replay else found, progress,
             working_device, blocks,

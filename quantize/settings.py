@@ -137,7 +137,8 @@ class QuantizeSettings:
     )
     calib: str | Path | None = setting(
         None,
-        "Calibration .txt/.jsonl, or 'mixed' (the bundled five-source mix).",
+        "Calibration .txt/.jsonl, 'mixed' (the bundled five-source mix) or 'generated' (half "
+        "text the model samples itself, half the default; cached).",
         default_text="the bundled Moby-Dick chapters 11+",
     )
     num_samples: Annotated[int, Range(1)] = setting(128, "Calibration windows.")

@@ -37,7 +37,7 @@ from torch import Tensor, nn
 from qserve.quantize.arch import arch_spec
 from qserve.quantize.auto.budget import DENSE, Unit, candidate_schemes
 from qserve.quantize.block_context import BlockContext
-from qserve.quantize.calibration import calibration_windows, load_calibration_text
+from qserve.quantize.calibration import calibration_ids
 from qserve.quantize.capture import capture_block_inputs
 from qserve.quantize.dynamic import Scheme
 from qserve.quantize.gptq import accumulate_hessian, gptq_quantize
@@ -94,12 +94,12 @@ def measurement_key(model_path: Path, settings: QuantizeSettings) -> str:
     files = sorted(p for p in Path(model_path).iterdir() if p.suffix in (".json", ".safetensors"))
     stats = [(p.name, p.stat().st_size, int(p.stat().st_mtime)) for p in files]
     calib = settings.calib
-    if calib not in (None, "default", "mixed"):
+    if calib not in (None, "default", "mixed", "generated"):
         path = Path(calib)
         calib = [str(path.resolve()), path.stat().st_size, int(path.stat().st_mtime)]
     what = [
         MEASURE_VERSION, stats, calib, settings.measure_samples, settings.seq_len, settings.sym,
-        settings.damp, settings.act_group_aware, list(settings.ignore),
+        settings.damp, settings.act_group_aware, settings.mse, list(settings.ignore),
     ]  # fmt: skip
     return hashlib.sha256(json.dumps(what, default=str).encode()).hexdigest()[:16]
 
@@ -139,8 +139,9 @@ def _measure(
     spec = arch_spec(model.config.model_type)
     prepare_moe(model, spec)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
-    text = load_calibration_text(settings.calib)
-    ids = calibration_windows(tokenizer, text, settings.measure_samples, settings.seq_len)
+    ids = calibration_ids(
+        model_path, tokenizer, settings.calib, settings.measure_samples, settings.seq_len
+    )
     blocks: nn.ModuleList = model.get_submodule(spec.blocks)
     X, kwargs = capture_block_inputs(model, blocks, ids)
     inputs = [X]  # inputs[b]: the float inputs of block b

@@ -1,0 +1,57 @@
+"""`--calib generated`: sequences the float model samples itself (through the engine), cached,
+alternating with windows of the default text."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from qserve.quantize import generated
+from qserve.quantize.calibration import calibration_ids, calibration_windows, load_calibration_text
+from qserve.quantize.driver import quantize_model
+from qserve.quantize.settings import QuantizeSettings
+
+
+def test_generated_ids_are_sampled_once_and_cached(
+    tiny_llama: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ids = generated.generated_ids(tiny_llama, 3, 24, tmp_path)
+    assert ids.shape == (3, 24) and ids.dtype == torch.long
+    assert int(ids[:, 0].max()) < generated.START_TOKENS
+    assert len({tuple(r) for r in ids.tolist()}) == 3  # a seed per sequence
+    (cached,) = tmp_path.glob("*.pt")
+    assert torch.equal(torch.load(cached), ids)
+
+    def resample(*args: object) -> None:
+        raise AssertionError("sampled again")
+
+    monkeypatch.setattr(generated, "_sample", resample)
+    assert torch.equal(generated.generated_ids(tiny_llama, 3, 24, tmp_path), ids)
+    monkeypatch.undo()
+    # the same seed reproduces the sequences without the cache
+    assert torch.equal(generated.generated_ids(tiny_llama, 3, 24, tmp_path / "other"), ids)
+
+
+def test_generated_windows_alternate_with_the_default_text(
+    tiny_llama: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("QSERVE_CACHE_DIR", str(tmp_path))  # not the user's cache
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama)
+    ids = calibration_ids(tiny_llama, tokenizer, "generated", 5, 32)
+    gen = generated.generated_ids(tiny_llama, 3, 32)
+    text = calibration_windows(tokenizer, load_calibration_text(), 2, 32)
+    assert torch.equal(ids, torch.stack([gen[0], text[0], gen[1], text[1], gen[2]]))
+    assert torch.equal(calibration_ids(tiny_llama, tokenizer, "generated", 1, 32), gen[:1])
+
+
+def test_gptq_calibrates_on_generated_text(
+    tiny_llama: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("QSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    settings = QuantizeSettings(method="gptq", calib="generated", num_samples=4, seq_len=32)
+    out = quantize_model(tiny_llama, tmp_path / "out", settings)
+    assert (out / "config.json").is_file()
+    assert len(list((tmp_path / "cache" / "calibration").glob("*.pt"))) == 1

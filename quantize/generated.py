@@ -18,6 +18,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from qserve.model.resolve import model_files_stamp
+
 __all__ = ["GENERATED", "generated_ids", "generated_cache_dir", "mixed_with_generated"]
 
 GENERATED = "generated"
@@ -33,9 +35,7 @@ def generated_cache_dir() -> Path:
 
 
 def _key(model_path: Path, num_samples: int, seq_len: int) -> str:
-    files = sorted(p for p in Path(model_path).iterdir() if p.suffix in (".json", ".safetensors"))
-    stats = [(p.name, p.stat().st_size, int(p.stat().st_mtime)) for p in files]
-    what = [VERSION, stats, num_samples, seq_len, SEED, START_TOKENS]
+    what = [VERSION, model_files_stamp(model_path), num_samples, seq_len, SEED, START_TOKENS]
     return hashlib.sha256(json.dumps(what).encode()).hexdigest()[:16]
 
 

@@ -38,6 +38,13 @@ def resolve_model(spec: str | None) -> Path:
     )
 
 
+def model_files_stamp(path: Path) -> list[tuple[str, int, int]]:
+    """(name, size, mtime) of a model folder's config and weight files: what a cache of
+    something computed from the model is keyed by."""
+    files = sorted(p for p in Path(path).iterdir() if p.suffix in (".json", ".safetensors"))
+    return [(p.name, p.stat().st_size, int(p.stat().st_mtime)) for p in files]
+
+
 def check_model_folder(path: Path) -> Path:
     """Raise QServeError unless `path` has a readable config.json and safetensors weights."""
     read_json(path / "config.json", what="model config")

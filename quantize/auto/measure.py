@@ -34,12 +34,14 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from qserve.model.resolve import model_files_stamp
 from qserve.quantize.arch import arch_spec
 from qserve.quantize.auto.budget import DENSE, Unit, candidate_schemes
 from qserve.quantize.block_context import BlockContext
 from qserve.quantize.calibration import calibration_ids
 from qserve.quantize.capture import capture_block_inputs
 from qserve.quantize.dynamic import Scheme
+from qserve.quantize.generated import GENERATED
 from qserve.quantize.gptq import accumulate_hessian, gptq_quantize
 from qserve.quantize.moe import prepare_moe
 from qserve.quantize.settings import QuantizeSettings
@@ -91,10 +93,9 @@ class Measurement:
 def measurement_key(model_path: Path, settings: QuantizeSettings) -> str:
     """What a cached measurement depends on: the model's config and weight files (names, sizes,
     modification times), the calibration and the GPTQ options that shape each scheme."""
-    files = sorted(p for p in Path(model_path).iterdir() if p.suffix in (".json", ".safetensors"))
-    stats = [(p.name, p.stat().st_size, int(p.stat().st_mtime)) for p in files]
+    stats = model_files_stamp(model_path)
     calib = settings.calib
-    if calib not in (None, "default", "mixed", "generated"):
+    if calib not in (None, "default", "mixed", GENERATED):
         path = Path(calib)
         calib = [str(path.resolve()), path.stat().st_size, int(path.stat().st_mtime)]
     what = [

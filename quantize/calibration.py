@@ -20,6 +20,7 @@ from torch import Tensor
 
 from qserve.data import CALIBRATION_FILE, calibration_text, read_text
 from qserve.errors import QServeError, read_user_text
+from qserve.eval import text_prefix
 from qserve.quantize.generated import GENERATED, generated_ids, mixed_with_generated
 
 __all__ = ["load_calibration_text", "calibration_windows", "calibration_ids"]
@@ -66,9 +67,21 @@ def _jsonl_texts(path: Path) -> list[str]:
 
 def calibration_windows(tokenizer: Any, text: str, num_samples: int, seq_len: int) -> Tensor:
     """Token ids [num_samples, seq_len]: non-overlapping windows of the tokenized text, evenly
-    spaced (overlapping only when the text is too short for that many)."""
+    spaced (overlapping only when the text is too short for that many). Each window starts the
+    way the tokenizer starts a text (Gemma's <bos>; nothing for SmolLM2), as a prompt does when
+    the model serves: without it Gemma's activations are unlike any it sees in use."""
     if num_samples < 1 or seq_len < 1:
         raise QServeError("num_samples and seq_len must be positive", param="num_samples")
+    prefix = text_prefix(tokenizer)
+    if seq_len <= len(prefix):
+        raise QServeError(f"seq_len={seq_len} leaves no room for text", param="seq_len")
+    windows = _text_windows(tokenizer, text, num_samples, seq_len - len(prefix))
+    if not prefix:
+        return windows
+    return torch.cat([torch.tensor(prefix).expand(num_samples, -1), windows], dim=1)
+
+
+def _text_windows(tokenizer: Any, text: str, num_samples: int, seq_len: int) -> Tensor:
     ids = torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
     T = ids.numel()
     if T < seq_len:

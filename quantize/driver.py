@@ -154,26 +154,25 @@ def quantize_model(
         group_size = auto_group_size(skeleton, spec, settings)
         settings = dataclasses.replace(settings, group_size=group_size)
     check_model_tensors(model_path, skeleton, spec.checkpoint_name)
+    check_group_size(skeleton, spec, settings)
     if output_dir is None:
         output_dir = default_output_dir(model_name or Path(model_path).name, settings)
     output_dir_rules.check_output_dir(output_dir, overwrite, model_path)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
+    searched = settings.searches_scales
+    replay = searched and scales is not None and Path(scales).is_file()
+    input_ids = None
+    if settings.needs_calibration(replay):  # before loading: `generated` runs the model itself
+        input_ids = calibration_ids(
+            model_path, tokenizer, settings.calib, settings.num_samples, settings.seq_len
+        )
     loaded = _calibration_model(model_path, spec, offload_dir, output_dir, settings, float_dtype)
     with loaded as (model, blocks):
-        check_group_size(model, spec, settings)
-
-        searched = settings.searches_scales
-        replay = searched and scales is not None and Path(scales).is_file()
         found = ScaleResult.load(scales) if replay else ScaleResult()
         if replay and blocks is None:
             found.apply(model, settings.group_size)
         elif replay:
             blocks.set_replay(found)
-        input_ids = None
-        if settings.needs_calibration(replay):
-            input_ids = calibration_ids(
-                model_path, tokenizer, settings.calib, settings.num_samples, settings.seq_len
-            )
         results = quantize_blocks(
             model, spec, settings, input_ids, None if replay else found, progress,
             working_device, blocks,

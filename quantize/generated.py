@@ -18,6 +18,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from qserve.eval import text_prefix
+from qserve.model.loader import load_tokenizer
 from qserve.model.resolve import model_files_stamp
 
 __all__ = ["GENERATED", "generated_ids", "generated_cache_dir", "mixed_with_generated"]
@@ -34,8 +36,9 @@ def generated_cache_dir() -> Path:
     return cache_dir() / "calibration"
 
 
-def _key(model_path: Path, num_samples: int, seq_len: int) -> str:
+def _key(model_path: Path, num_samples: int, seq_len: int, prefix: list[int]) -> str:
     what = [VERSION, model_files_stamp(model_path), num_samples, seq_len, SEED, START_TOKENS]
+    what += [prefix] if prefix else []  # the keys of models without one predate it
     return hashlib.sha256(json.dumps(what).encode()).hexdigest()[:16]
 
 
@@ -43,12 +46,14 @@ def generated_ids(
     model_path: Path, num_samples: int, seq_len: int, cache_dir: Path | None = None
 ) -> Tensor:
     """[num_samples, seq_len] token ids sampled from the model at `model_path` (float, through
-    the engine), from `cache_dir` when there (None: `generated_cache_dir()`)."""
+    the engine), from `cache_dir` when there (None: `generated_cache_dir()`). Each sequence
+    starts as the tokenizer starts a text (Gemma's <bos>), then a random token."""
     cache_dir = generated_cache_dir() if cache_dir is None else cache_dir
-    path = cache_dir / f"{_key(model_path, num_samples, seq_len)}.pt"
+    prefix = text_prefix(load_tokenizer(model_path))
+    path = cache_dir / f"{_key(model_path, num_samples, seq_len, prefix)}.pt"
     if path.is_file():
         return torch.load(path)
-    ids = _sample(model_path, num_samples, seq_len)
+    ids = _sample(model_path, num_samples, seq_len, prefix)
     cache_dir.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     torch.save(ids, tmp)
@@ -56,7 +61,7 @@ def generated_ids(
     return ids
 
 
-def _sample(model_path: Path, num_samples: int, seq_len: int) -> Tensor:
+def _sample(model_path: Path, num_samples: int, seq_len: int, prefix: list[int]) -> Tensor:
     import gc
 
     from qserve.engine.llm import LLM
@@ -69,12 +74,14 @@ def _sample(model_path: Path, num_samples: int, seq_len: int) -> Tensor:
         candidates = torch.tensor([i for i in range(vocab) if i not in special])
         g = torch.Generator().manual_seed(SEED)
         starts = candidates[torch.randint(len(candidates), (num_samples,), generator=g)].tolist()
+        new_tokens = seq_len - 1 - len(prefix)
         params = [
-            SamplingParams(temperature=1.0, max_tokens=seq_len - 1, ignore_eos=True, seed=SEED + i)
+            SamplingParams(temperature=1.0, max_tokens=new_tokens, ignore_eos=True, seed=SEED + i)
             for i in range(num_samples)
         ]
-        outputs = llm.generate([{"prompt_token_ids": [s]} for s in starts], params)
-        return torch.tensor([[s, *o.outputs[0].token_ids] for s, o in zip(starts, outputs)])
+        prompts = [[*prefix, s] for s in starts]
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+        return torch.tensor([[*p, *o.outputs[0].token_ids] for p, o in zip(prompts, outputs)])
     finally:
         del llm
         gc.collect()

@@ -3,6 +3,7 @@ alternating with windows of the default text."""
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -55,3 +56,33 @@ def test_gptq_calibrates_on_generated_text(
     out = quantize_model(tiny_llama, tmp_path / "out", settings)
     assert (out / "config.json").is_file()
     assert len(list((tmp_path / "cache" / "calibration").glob("*.pt"))) == 1
+
+
+def _with_a_bos(tiny_llama: Path, folder: Path) -> Path:
+    """The tiny Llama with a tokenizer that starts every text with a special token (as Gemma's
+    puts <bos>); the token is the tokenizer's eos, so the vocabulary stays the model's."""
+    from tokenizers import processors
+
+    shutil.copytree(tiny_llama, folder)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    eos = tokenizer.eos_token
+    tokenizer.backend_tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{eos} $A", pair=f"{eos} $A $B", special_tokens=[(eos, tokenizer.eos_token_id)]
+    )
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def test_windows_start_as_the_tokenizer_starts_a_text(tiny_llama: Path, tmp_path: Path) -> None:
+    model = _with_a_bos(tiny_llama, tmp_path / "bos")
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    bos = tokenizer.eos_token_id
+    assert tokenizer.encode("a")[0] == bos
+    text = load_calibration_text()
+    windows = calibration_windows(tokenizer, text, 3, 32)
+    assert windows.shape == (3, 32) and windows[:, 0].tolist() == [bos] * 3
+    plain = calibration_windows(AutoTokenizer.from_pretrained(tiny_llama), text, 3, 31)
+    assert torch.equal(windows[:, 1:], plain)  # the same text windows, one token shorter
+    sampled = generated.generated_ids(model, 2, 24, tmp_path / "cache")
+    assert sampled.shape == (2, 24) and sampled[:, 0].tolist() == [bos] * 2
+    assert bos not in sampled[:, 1].tolist()  # the random first token follows it

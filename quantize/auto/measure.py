@@ -34,6 +34,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from qserve.eval import text_prefix
+from qserve.model.loader import load_tokenizer
 from qserve.model.resolve import model_files_stamp
 from qserve.quantize.arch import arch_spec
 from qserve.quantize.auto.budget import DENSE, Unit, candidate_schemes
@@ -92,7 +94,8 @@ class Measurement:
 
 def measurement_key(model_path: Path, settings: QuantizeSettings) -> str:
     """What a cached measurement depends on: the model's config and weight files (names, sizes,
-    modification times), the calibration and the GPTQ options that shape each scheme."""
+    modification times), the calibration, the tokens a window starts with and the GPTQ options
+    that shape each scheme."""
     stats = model_files_stamp(model_path)
     calib = settings.calib
     if calib not in (None, "default", "mixed", GENERATED):
@@ -102,6 +105,8 @@ def measurement_key(model_path: Path, settings: QuantizeSettings) -> str:
         MEASURE_VERSION, stats, calib, settings.measure_samples, settings.seq_len, settings.sym,
         settings.damp, settings.act_group_aware, settings.mse, list(settings.ignore),
     ]  # fmt: skip
+    prefix = text_prefix(load_tokenizer(model_path))  # windows start with it (Gemma's <bos>)
+    what += [prefix] if prefix else []  # the keys of models without one predate it
     return hashlib.sha256(json.dumps(what, default=str).encode()).hexdigest()[:16]
 
 

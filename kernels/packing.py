@@ -26,6 +26,14 @@ AWQ (AutoAWQ "gemm" version), 4 bit only::
 
     qzeros  int32 [G, N // 8]   same interleave, zeros stored as they are (no minus one).
 
+compressed-tensors "pack-quantized" (llm-compressor's W4A16 / W8A16), `bits` in {4, 8}::
+
+    weight_packed      int32 [N, K // P]   packed along the input dim, GPTQ's field order:
+        the transpose of GPTQ's qweight. Codes are stored unsigned: compressed-tensors' signed
+        code plus 2**(bits-1), i.e. the same codes as GPTQ's with symmetric zero 2**(bits-1).
+    weight_zero_point  int32 [N // P, G]   (asymmetric only) zeros packed along the output dim,
+        stored as they are, in [0, 2**bits): the transpose of a GPTQ qzeros without the minus one.
+
 Packing nibble 7 of a word sets the sign bit of the int32: packing runs in int64 and wraps to
 int32 explicitly; unpacking shifts (arithmetic, sign-filling) and then masks, which is correct for
 negative words as well.
@@ -51,6 +59,10 @@ __all__ = [
     "unpack_awq_qweight",
     "pack_awq_qzeros",
     "unpack_awq_qzeros",
+    "pack_ct_weight",
+    "unpack_ct_weight",
+    "pack_ct_zero_point",
+    "unpack_ct_zero_point",
     "dequantize_gptq",
     "dequantize_awq",
     "gptq_g_idx",
@@ -188,6 +200,35 @@ def dequantize_gptq(
     # (q - z) is an exact small integer, its product with the scale is exact in fp32: one rounding.
     w = (q - zeros[g]).to(torch.float32) * scales[g].to(torch.float32)  # [K, N]
     return w.to(scales.dtype).t().contiguous()
+
+
+# -------------------------------------------------------------------------- compressed-tensors
+
+
+def pack_ct_weight(q: torch.Tensor, bits: int) -> torch.Tensor:
+    """Pack unsigned codes q [N, K] in [0, 2**bits) into weight_packed int32 [N, K*bits/32]."""
+    pack_factor(bits)
+    _check_range(q, 0, (1 << bits) - 1, "q")
+    return _pack_last(q, bits).contiguous()
+
+
+def unpack_ct_weight(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """weight_packed int32 [N, K*bits/32] -> unsigned codes int32 [N, K]."""
+    pack_factor(bits)
+    return _unpack_last(packed, bits)
+
+
+def pack_ct_zero_point(zeros: torch.Tensor, bits: int) -> torch.Tensor:
+    """Zero points [G, N] in [0, 2**bits) -> weight_zero_point int32 [N*bits/32, G]."""
+    pack_factor(bits)
+    _check_range(zeros, 0, (1 << bits) - 1, "compressed-tensors zero points")
+    return _pack_last(zeros, bits).t().contiguous()
+
+
+def unpack_ct_zero_point(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """weight_zero_point int32 [N*bits/32, G] -> zero points int32 [G, N]."""
+    pack_factor(bits)
+    return _unpack_last(packed.t().contiguous(), bits)
 
 
 # ----------------------------------------------------------------------------------------- AWQ

@@ -43,6 +43,7 @@ from torch import Tensor, nn
 
 from qserve.errors import QServeError
 from qserve.kernels import packing
+from qserve.quantize import export_packed
 from qserve.quantize.arch import ArchSpec
 from qserve.quantize.dynamic import Scheme, disjoint_rules, gptq_dynamic
 from qserve.quantize.kv_scales import kv_scale
@@ -285,6 +286,8 @@ def checkpoint_tensors(
         "gptq": gptq_tensors,
         "awq": awq_tensors,
     }.get(s.method, lambda r: compressed_tensors(r.Q, r.weight_scale, r.input_scale))
+    if s.format == export_packed.FORMAT:
+        to_tensors = lambda r: export_packed.pack_quantized_tensors(r, dtype)  # noqa: E731
     for name, r in results.linears.items():
         del tensors[f"{name}.weight"]
         tensors.update({f"{name}.{k}": v for k, v in to_tensors(r).items()})
@@ -313,6 +316,10 @@ def quantization_config(
         kv = kv_cache_scheme() if s.kv_cache_dtype == "fp8_e4m3" else None
         qconfig = compressed_tensors_config(kind, s.weight_strategy, static, skipped, kv)
         return qconfig, {}
+    if s.format == export_packed.FORMAT:
+        schemes = {spec.checkpoint_name(n): s.scheme_of(spec.checkpoint_name(n)) for n in quantized}
+        sym, act_order = bool(s.sym), bool(s.desc_act)
+        return export_packed.pack_quantized_config(schemes, skipped, sym, act_order), {}
     gptq = s.method == "gptq"  # rtn writes the same format, with natural order and no Hessian
     damp = s.damp if gptq else GPTQ_DAMP  # GPTQModel records its default for RTN too
     qconfig = gptq_config(

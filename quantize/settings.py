@@ -56,6 +56,7 @@ METHOD_DEFAULTS: dict[str, dict[str, Any]] = {
     "gptaq_alpha": {"gptq": 0.25, "auto": 0.25},
     "quantize_lm_head": {"rtn": False, "gptq": False},
     "dynamic": {"rtn": (), "gptq": ()},
+    "format": {"rtn": "gptq", "gptq": "gptq", "auto": "gptq"},
     # auto: exactly one budget is given (checked in __post_init__)
     "max_ppl_increase": {"auto": None},
     "target_bits": {"auto": None},
@@ -124,6 +125,11 @@ class QuantizeSettings:
         "or '-:REGEX' (left 16-bit); the first rule whose REGEX matches a module's checkpoint "
         "name decides; repeatable.", default_text="none",
     )  # fmt: skip
+    format: Literal["gptq", "compressed-tensors"] | None = setting(
+        None, "rtn/gptq/auto: the checkpoint's format: gptq (GPTQModel's; `dynamic` for mixed "
+        "schemes) or compressed-tensors (llm-compressor's pack-quantized; a config group per "
+        "scheme).", default_text="gptq",
+    )  # fmt: skip
     max_ppl_increase: str | None = setting(
         None, "auto: the largest perplexity increase allowed on held-out text, in percent (1% or "
         "1); the checkpoint is the smallest that meets it, verified before it is written.",
@@ -178,6 +184,11 @@ class QuantizeSettings:
             self._check_auto()
         if self.dynamic:
             parse_rules(self.dynamic)  # a malformed rule: one line now, not after calibration
+        if self.format == "compressed-tensors" and self.desc_act and not self.static_groups:
+            raise QServeError(
+                "desc_act: compressed-tensors has no g_idx; act-order there needs "
+                "--static-groups (its actorder 'weight')", "desc_act",
+            )  # fmt: skip
         if self.method == "awq" and self.group_size == -1:
             raise QServeError("group_size: awq needs a group size (32, 64, 128)", "group_size")
 

@@ -144,3 +144,33 @@ def _split_gptq_groups(
     g_fine = torch.empty_like(g)
     g_fine[perm] = torch.arange(K) // fine  # stable: argsort(g_fine) is perm again
     return g_fine, g[perm][::fine]
+
+
+def gptq_from_pack_quantized(prefix: str, state: dict[str, torch.Tensor], bits: int) -> None:
+    """Replace one linear's compressed-tensors pack-quantized tensors in `state` by the GPTQ v1
+    tensors of the same codes (lossless; `kernels.packing` documents both layouts):
+    weight_packed [N, K/P] -> qweight [K/P, N], weight_scale [N, G] -> scales [G, N] (dtype kept),
+    weight_zero_point [N/P, G] (or 2**(bits-1) when symmetric) -> qzeros, weight_g_idx -> g_idx."""
+    packed = state.pop(f"{prefix}.weight_packed")
+    scale = state.pop(f"{prefix}.weight_scale")
+    shape = state.pop(f"{prefix}.weight_shape", None)
+    zero_point = state.pop(f"{prefix}.weight_zero_point", None)
+    g_idx = state.pop(f"{prefix}.weight_g_idx", None)
+    N, K = packed.shape[0], packed.shape[1] * packing.pack_factor(bits)
+    if shape is not None and [int(v) for v in shape.reshape(-1)] != [N, K]:
+        raise QServeError(f"{prefix}.weight_shape is {shape.tolist()}, packed as [{N}, {K}]")
+    scale = scale.reshape(N, -1)
+    if zero_point is None:
+        zeros = torch.full((scale.shape[1], N), 1 << (bits - 1), dtype=torch.int32)
+    else:
+        zeros = packing.unpack_ct_zero_point(zero_point, bits)
+    if zeros.numel() and int(zeros.min()) == 0:
+        raise QServeError(
+            f"{prefix}: a zero point of 0 has no GPTQ v1 form (stored as zero - 1); "
+            "qserve cannot load this asymmetric pack-quantized layer"
+        )
+    state[f"{prefix}.qweight"] = packed.t().contiguous()
+    state[f"{prefix}.qzeros"] = packing.pack_gptq_qzeros(zeros, bits)
+    state[f"{prefix}.scales"] = scale.t().contiguous()
+    if g_idx is not None:
+        state[f"{prefix}.g_idx"] = g_idx.to(torch.int32)

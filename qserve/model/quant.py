@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from qserve.model.awq_linear import AWQLinear
-from qserve.model.gptq_linear import GPTQLinear
+from qserve.model.gptq_linear import GPTQLinear, gptq_from_pack_quantized
 from qserve.model.quant_config import LinearScheme, QuantScheme
 from qserve.model.quant_linear import HALF_DTYPES, QuantLinear
 from qserve.model.w8_linear import W8Linear
@@ -39,6 +39,8 @@ def _make(
     K, N = linear.in_features, linear.out_features
     bias = f"{prefix}.bias" in state  # old AutoGPTQ stores zero biases even for Llama
     if scheme.format == "gptq":
+        if f"{prefix}.weight_packed" in state:  # compressed-tensors pack-quantized
+            gptq_from_pack_quantized(prefix, state, scheme.bits)
         return GPTQLinear(scheme, K, N, bias, g_idx=f"{prefix}.g_idx" in state)
     if scheme.format == "awq":
         return AWQLinear(scheme, K, N, bias)

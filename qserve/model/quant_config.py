@@ -8,6 +8,7 @@ Formats (ARCHITECTURE.md section 4):
     gptq                  gptq                  4/8-bit, groups, g_idx  16-bit
     awq (version gemm)    awq                   4-bit, groups, zeros    16-bit
     compressed-tensors    int8 | fp8            8-bit, channel|tensor   token|tensor|static|None
+      pack-quantized      gptq (repacked)       4/8-bit, groups|channel 16-bit
     fp8 (vLLM)            fp8                   fp8, tensor|channel     tensor|static
 
 GPTQ checkpoints may mix schemes per module with GPTQModel's `dynamic` overrides (regexes over
@@ -244,18 +245,16 @@ def _parse_awq(raw: dict[str, Any], source: str) -> QuantScheme:
 
 # -------------------------------------------------------------------------- compressed-tensors
 
-_CT_FORMATS = ("int-quantized", "float-quantized", "naive-quantized")
+_CT_FORMATS = ("int-quantized", "float-quantized", "naive-quantized", "pack-quantized")
+# "mixed-precision": each config group names its own format
 
 
 def _parse_compressed_tensors(raw: dict[str, Any], source: str) -> QuantScheme:
     fmt = raw.get("format")
-    if fmt not in _CT_FORMATS:
-        expected = "expected one of " + ", ".join(_CT_FORMATS)
-        raise _unsupported(source, f"compressed-tensors format {fmt!r}", expected)
     groups = raw.get("config_groups") or {}
     if not isinstance(groups, dict) or not groups:
         raise QServeError(f"{source}: compressed-tensors config has no config_groups")
-    parsed = tuple(_ct_group(name, g, source) for name, g in groups.items())
+    parsed = tuple(_ct_group(name, g, g.get("format") or fmt, source) for name, g in groups.items())
     return QuantScheme(
         "compressed-tensors",
         parsed,
@@ -265,9 +264,15 @@ def _parse_compressed_tensors(raw: dict[str, Any], source: str) -> QuantScheme:
 
 
 def _ct_group(
-    name: str, group: dict[str, Any], source: str
+    name: str, group: dict[str, Any], fmt: Any, source: str
 ) -> tuple[tuple[str, ...], LinearScheme]:
+    if fmt not in _CT_FORMATS:
+        expected = "expected one of " + ", ".join(_CT_FORMATS)
+        raise _unsupported(source, f"compressed-tensors format {fmt!r}", expected)
     where = f"compressed-tensors {name}"
+    targets = tuple(group.get("targets") or ("Linear",))
+    if fmt == "pack-quantized":
+        return targets, _ct_packed(group, where, source)
     weights = group.get("weights") or {}
     kind, bits = weights.get("type", "int"), weights.get("num_bits")
     if bits != 8 or kind not in ("int", "float"):
@@ -281,7 +286,30 @@ def _ct_group(
         raise _unsupported(source, f"{where} output activations", "expected none")
     activations = _ct_activations(group.get("input_activations"), kind, where, source)
     fmt = "int8" if kind == "int" else "fp8"
-    return tuple(group.get("targets") or ("Linear",)), LinearScheme(fmt, activations=activations)
+    return targets, LinearScheme(fmt, activations=activations)
+
+
+def _ct_packed(group: dict[str, Any], where: str, source: str) -> LinearScheme:
+    """A pack-quantized group (W4A16 / W8A16 integer weights): loaded as GPTQ, repacked."""
+    weights = group.get("weights") or {}
+    bits, kind, strategy = (
+        weights.get("num_bits"),
+        weights.get("type", "int"),
+        weights.get("strategy"),
+    )
+    if bits not in (4, 8) or kind != "int":
+        raise _unsupported(source, f"{where} {bits}-bit {kind} packed weights", "4 or 8-bit int")
+    if group.get("input_activations") or group.get("output_activations"):
+        raise _unsupported(source, f"{where} quantized activations", "expected 16-bit ones")
+    if strategy not in ("group", "channel"):
+        raise _unsupported(source, f"{where} weight strategy {strategy!r}", "group or channel")
+    group_size = weights.get("group_size") if strategy == "group" else -1
+    if strategy == "group" and not (isinstance(group_size, int) and group_size > 0):
+        raise QServeError(f"{source}: {where} has strategy group but group_size {group_size!r}")
+    actorder = weights.get("actorder")
+    if actorder not in (None, "group", "weight", "static"):
+        raise _unsupported(source, f"{where} actorder {actorder!r}", "group, weight or none")
+    return LinearScheme("gptq", bits=bits, group_size=group_size, desc_act=actorder == "group")
 
 
 def _ct_activations(acts: dict[str, Any] | None, kind: str, where: str, source: str) -> str | None:

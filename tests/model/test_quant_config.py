@@ -27,6 +27,28 @@ def ct_config(kind: str = "int", weights: dict | None = None, acts: dict | None 
     } | extra
 
 
+def packed_config(weights: dict | None = None, **extra) -> dict:
+    """llm-compressor's W4A16 (pack-quantized, group 128, symmetric)."""
+    w = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 128}
+    group = {"targets": ["Linear"], "weights": w | (weights or {}), "input_activations": None}
+    return {
+        "quant_method": "compressed-tensors",
+        "format": "pack-quantized",
+        "config_groups": {"group_0": group},
+        "ignore": ["lm_head"],
+    } | extra
+
+
+def test_compressed_tensors_pack_quantized_reads_as_gptq() -> None:
+    scheme = parse_quant_scheme(packed_config())
+    assert scheme.for_module(Q) == LinearScheme("gptq", bits=4, group_size=128)
+    assert scheme.for_module("lm_head") is None
+    channel = parse_quant_scheme(packed_config({"num_bits": 8, "strategy": "channel"}))
+    assert channel.for_module(Q) == LinearScheme("gptq", bits=8, group_size=-1)
+    old = parse_quant_scheme(packed_config({"actorder": "group"}))  # before compressed-tensors 0.20
+    assert old.for_module(Q).desc_act
+
+
 def test_gptq():
     raw = {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": True, "sym": True}
     scheme = parse_quant_scheme(raw)
@@ -121,7 +143,11 @@ def test_kv_cache_scheme_and_vllm_fp8():
         ({"quant_method": "awq", "bits": 4, "version": "gemv"}, "AWQ version 'gemv'"),
         ({"quant_method": "awq", "bits": 4, "zero_point": False}, "AWQ without zero points"),
         ({"quant_method": "bitsandbytes"}, "quantization method 'bitsandbytes'"),
-        (ct_config(format="pack-quantized"), "format 'pack-quantized'"),
+        (ct_config(format="marlin-24"), "format 'marlin-24'"),
+        (ct_config(format="pack-quantized"), "quantized activations"),  # W8A8 is not packed
+        (packed_config({"num_bits": 3}), "3-bit int packed weights"),
+        (packed_config({"strategy": "tensor"}), "weight strategy 'tensor'"),
+        (packed_config({"actorder": "dynamic"}), "actorder 'dynamic'"),
         (ct_config(weights={"num_bits": 4}), "4-bit int weights"),
         (ct_config(weights={"strategy": "group"}), "weight strategy 'group'"),
         (ct_config(acts={"type": "float"}), "8-bit float activations"),

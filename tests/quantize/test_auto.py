@@ -138,6 +138,27 @@ def test_auto_meets_its_budget_on_held_out_text(
     assert "model.layers.1.mlp.down_proj" in dry.output
 
 
+def test_auto_writes_its_mix_as_compressed_tensors(
+    tiny_llama: Path, tmp_path: Path, monkeypatch
+) -> None:
+    monkeypatch.setenv("QSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    out = tmp_path / "auto-ct"
+    args = ["quantize", str(tiny_llama), "-m", "auto", "--target-bits", "6", "-q",
+            "--format", "compressed-tensors", "--measure-samples", "2", "--num-samples", "4",
+            "--seq-len", "64", "-o", str(out)]  # fmt: skip
+    result = CliRunner().invoke(cli, args, catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    record = json.loads((out / "qserve_recipe.json").read_text())["auto"]
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert qc["quant_method"] == "compressed-tensors" and qc["format"] == "pack-quantized"
+    schemes = {a["scheme"] for a in record["allocation"]} - {"bf16"}
+    assert len(schemes) > 1 and len(qc["config_groups"]) == len(schemes)  # a group per scheme
+    bits = {g["weights"]["num_bits"] for g in qc["config_groups"].values()}
+    assert bits == {int(s[1]) for s in schemes}
+    scorer = run._HeldOut(tiny_llama)  # the engine serves what was verified
+    assert scorer.increase(out) == pytest.approx(record["measured"]["increase"], abs=1e-9)
+
+
 def test_auto_writes_nothing_when_no_attempt_meets_the_budget(
     tiny_llama: Path, tmp_path: Path, monkeypatch
 ) -> None:

@@ -9,7 +9,10 @@ from qserve.quantize.calibration import calibration_windows, load_calibration_te
 
 class _CharTokenizer:
     def __call__(self, text: str, add_special_tokens: bool = False) -> dict:
-        return {"input_ids": [ord(c) for c in text]}
+        return {"input_ids": self.encode(text)}
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return [ord(c) for c in text]  # nothing before a text
 
 
 def test_default_text_is_bundled() -> None:

@@ -6,7 +6,8 @@ time, each scored in-domain and held-out.
         [--num-threads 2] [--output benchmarks/results/gptq_heldout.json] [--append]
 
 Every variant is `qserve quantize` w4 at the model's group size (64 for SmolLM2) with one
-setting changed from qserve's default (calibration: Moby-Dick ch. 11+, or `mixed`), a
+setting changed from qserve's GPTQ on Moby-Dick ch. 11+ (or on `mixed`, or `generated`: the
+default since issue 27), a
 third-party quantizer on the same calibration ids, or INT8 / FP8 W8A8 (their own defaults).
 Scoring is `benchmarks/quality.py`'s: perplexity on Moby-Dick ch. 1-10 (in-domain: the book of
 the default calibration) and on the State of the Union 2010-2020 (held-out: no calibration
@@ -44,7 +45,7 @@ W4 = {"bits": 4}
 @dataclass(frozen=True)
 class Variant:
     name: str
-    calib: str  # default (Moby-Dick ch. 11+) | mixed (the bundled five-source mix) | generated
+    calib: str  # moby-dick (ch. 11+) | generated (GPTQ's default) | mixed (five sources)
     method: quality.Method
     num_samples: int | None = None  # None: --num-samples
 
@@ -57,16 +58,16 @@ def _gptq(name: str, label: str, calib: str, **options: Any) -> Variant:
 VARIANTS = {
     v.name: v
     for v in [
-        Variant("baseline", "default", quality.METHODS["baseline"]),
-        Variant("rtn", "default", quality.METHODS["rtn"]),
-        _gptq("gptq", "GPTQ (default: GPTAQ + mse)", "default"),
-        _gptq("gptq-minmax", "GPTQ (GPTAQ) --no-mse", "default", mse=False),
-        _gptq("gptq-plain", "GPTQ --no-gptaq", "default", gptaq=False),
-        _gptq("gptq-plain-minmax", "GPTQ --no-gptaq --no-mse", "default", gptaq=False, mse=False),
-        _gptq("gptq-damp0.1", "GPTQ damp 0.1", "default", damp=0.1),
-        _gptq("gptq-damp0.3", "GPTQ damp 0.3", "default", damp=0.3),
-        _gptq("gptq-act", "GPTQ act-order", "default", desc_act=True),
-        _gptq("generated-gptq", "GPTQ, --calib generated", "generated"),
+        Variant("baseline", "moby-dick", quality.METHODS["baseline"]),
+        Variant("rtn", "moby-dick", quality.METHODS["rtn"]),
+        _gptq("gptq", "GPTQ (GPTAQ + mse), moby-dick", "moby-dick"),
+        _gptq("gptq-minmax", "GPTQ (GPTAQ) --no-mse", "moby-dick", mse=False),
+        _gptq("gptq-plain", "GPTQ --no-gptaq", "moby-dick", gptaq=False),
+        _gptq("gptq-plain-minmax", "GPTQ --no-gptaq --no-mse", "moby-dick", gptaq=False, mse=False),
+        _gptq("gptq-damp0.1", "GPTQ damp 0.1", "moby-dick", damp=0.1),
+        _gptq("gptq-damp0.3", "GPTQ damp 0.3", "moby-dick", damp=0.3),
+        _gptq("gptq-act", "GPTQ act-order", "moby-dick", desc_act=True),
+        _gptq("generated-gptq", "GPTQ (default: GPTAQ, mse, generated)", "generated"),
         _gptq("mixed-gptq", "GPTQ, --calib mixed", "mixed"),
         _gptq("mixed-gptq-minmax", "GPTQ --no-mse, --calib mixed", "mixed", mse=False),
         _gptq(
@@ -77,16 +78,16 @@ VARIANTS = {
             mse=False,
         ),  # fmt: skip
         replace(_gptq("mixed-gptq-32", "GPTQ, --calib mixed, 32 samples", "mixed"), num_samples=32),
-        Variant("awq", "default", quality.METHODS["awq"]),
+        Variant("awq", "moby-dick", quality.METHODS["awq"]),
         Variant("mixed-awq", "mixed", replace(quality.METHODS["awq"], name="mixed-awq")),
-        Variant("gptqmodel", "default", quality.METHODS["gptqmodel"]),
+        Variant("gptqmodel", "moby-dick", quality.METHODS["gptqmodel"]),
         Variant(
             "mixed-gptqmodel",
             "mixed",
             replace(quality.METHODS["gptqmodel"], name="mixed-gptqmodel"),
         ),
-        Variant("int8", "default", quality.METHODS["int8"]),
-        Variant("fp8", "default", quality.METHODS["fp8"]),
+        Variant("int8", "moby-dick", quality.METHODS["int8"]),
+        Variant("fp8", "moby-dick", quality.METHODS["fp8"]),
     ]
 }
 

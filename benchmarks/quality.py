@@ -210,18 +210,22 @@ def quantize_third_party(model: Path, method: Method, out: Path, args: argparse.
         "autoawq": third_party.autoawq_quantize,
     }[method.tool]
     with contextlib.redirect_stdout(sys.stderr):
-        return quantizer(model, out, calibration_ids(model, args), **method.quantize)
+        kind = "gptq" if method.tool == "gptqmodel" else "awq"
+        return quantizer(model, out, calibration_ids(model, args, kind), **method.quantize)
 
 
-def calibration_ids(model: Path, args: argparse.Namespace) -> torch.Tensor:
+def calibration_ids(model: Path, args: argparse.Namespace, method: str = "gptq") -> torch.Tensor:
     """The windows `quantize_model` calibrates on: [num_samples, calib_seq_len] token ids of
-    `--calib`, tokenized by the model's tokenizer."""
+    `--calib` ("default": what qserve's `method` calibrates on by default), tokenized by the
+    model's tokenizer."""
     from transformers import AutoTokenizer
 
     from qserve.quantize.calibration import calibration_ids as ids_of
+    from qserve.quantize.settings import CALIB_DEFAULTS
 
     tokenizer = AutoTokenizer.from_pretrained(model)
-    return ids_of(model, tokenizer, args.calib, args.num_samples, args.calib_seq_len)
+    calib = CALIB_DEFAULTS[method] if args.calib == "default" else args.calib
+    return ids_of(model, tokenizer, calib, args.num_samples, args.calib_seq_len)
 
 
 def auto_group_size(model: Path) -> int:
@@ -521,7 +525,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--methods", default=",".join(n for n in METHODS if n != "baseline"))
     p.add_argument("--group-size", default="auto", choices=["auto", "128", "64", "32", "-1"])
     p.add_argument(
-        "--calib", default="default", help="default (Moby-Dick ch. 11+), mixed, or a file."
+        "--calib",
+        default="default",
+        help="default (each method's: generated for GPTQ, moby-dick otherwise), moby-dick, "
+        "generated, mixed, or a file.",
     )
     p.add_argument("--num-samples", type=int, default=32, help="Calibration windows.")
     p.add_argument("--calib-seq-len", type=int, default=256, help="Tokens per calibration window.")

@@ -1,12 +1,16 @@
-"""Calibration data: text from a .txt / .jsonl file (or the bundled default), cut into windows.
+"""Calibration data: windows of token ids from a named source or a .txt / .jsonl file.
 
-The default is chapters 11-135 of Moby-Dick (public domain), bundled as
-`qserve/data/moby_dick_calib.txt`. `mixed` is the bundled mix of five kinds of public-domain /
-permissively licensed English text (fiction, drama, encyclopedia prose, Python documentation,
-Python code; `qserve.data.calibration_text`, sources in qserve/data/README.md), interleaved so
-every window count samples each source evenly: one book alone makes GPTQ fit that book (issue
-27). `generated` is half text the model samples itself, half the default text
-(`qserve.quantize.generated`).
+    moby-dick  chapters 11-135 of Moby-Dick (public domain), bundled as
+               `qserve/data/moby_dick_calib.txt`; the default of awq, int8 and fp8
+    generated  half text the model samples itself, half moby-dick (`qserve.quantize.generated`);
+               the default of gptq and auto: calibrated on one book, GPTQ fits that book and
+               loses most of its gain on other text (issue 27)
+    mixed      the bundled mix of five kinds of public-domain / permissively licensed English
+               (fiction, drama, encyclopedia prose, Python documentation, Python code;
+               `qserve.data.calibration_text`, sources in qserve/data/README.md), interleaved
+               so every window count samples each source evenly
+
+`QuantizeSettings` resolves a method's default (`CALIB_DEFAULTS`); here None is moby-dick.
 """
 
 from __future__ import annotations
@@ -23,16 +27,20 @@ from qserve.errors import QServeError, read_user_text
 from qserve.eval import text_prefix
 from qserve.quantize.generated import GENERATED, generated_ids, mixed_with_generated
 
-__all__ = ["load_calibration_text", "calibration_windows", "calibration_ids"]
+__all__ = ["MOBY_DICK", "MIXED", "NAMED", "load_calibration_text", "calibration_windows",
+           "calibration_ids"]  # fmt: skip
+
+MOBY_DICK, MIXED = "moby-dick", "mixed"
+NAMED = (MOBY_DICK, GENERATED, MIXED)  # the sources `--calib` takes by name
 
 
 def load_calibration_text(calib: str | Path | None = None) -> str:
     """Text of a .txt file, of a .jsonl file (field "text" of each line, or a bare string per
-    line), of the bundled default (Moby-Dick) when `calib` is None, "default" or "generated"
+    line), of the bundled Moby-Dick chapters when `calib` is None, "moby-dick" or "generated"
     (its text half), or of the bundled mix of five sources when it is "mixed"."""
-    if calib is None or str(calib) in ("default", GENERATED):
+    if calib is None or str(calib) in (MOBY_DICK, GENERATED):
         return read_text(CALIBRATION_FILE)
-    if str(calib) == "mixed":
+    if str(calib) == MIXED:
         return calibration_text()
     path = Path(calib)
     if not path.is_file():
@@ -100,8 +108,8 @@ def calibration_ids(
     model_path: Path, tokenizer: Any, calib: str | Path | None, num_samples: int, seq_len: int
 ) -> Tensor:
     """The calibration windows [num_samples, seq_len] of `calib` for the model at `model_path`:
-    windows of a text, or for "generated" half sampled from the model, half of the default
-    text, alternating."""
+    windows of a text, or for "generated" half sampled from the model, half of Moby-Dick,
+    alternating."""
     if str(calib) != GENERATED:
         return calibration_windows(tokenizer, load_calibration_text(calib), num_samples, seq_len)
     generated = generated_ids(model_path, (num_samples + 1) // 2, seq_len)

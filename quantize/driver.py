@@ -62,6 +62,7 @@ from qserve.quantize.calibration import calibration_ids
 from qserve.quantize.capture import capture_block_inputs
 from qserve.quantize.export import SEARCH_FILE
 from qserve.quantize.fold import ScaleResult
+from qserve.quantize.generated import GENERATED
 from qserve.quantize.kv_scales import KVObserver
 from qserve.quantize.methods import quantize_block, quantize_lm_head
 from qserve.quantize.model_check import check_model_tensors, meta_model
@@ -138,6 +139,11 @@ def quantize_model(
         return auto_run.quantize_auto(
             Path(model_path), Path(output_dir), settings, quantize=attempt, overwrite=overwrite,
             cache_dir=auto_cache_dir(), progress=progress, provenance=provenance,
+        )  # fmt: skip
+    if offload_dir is not None and settings.calib == GENERATED and settings.needs_calibration():
+        raise QServeError(
+            "calib: 'generated' samples from the whole model in memory; with --offload-dir "
+            "calibrate on a text instead (--calib moby-dick, mixed or a file)", "calib",
         )  # fmt: skip
     working_device = resolve_device(device)
     float_dtype = out_dtype(settings.dtype, settings.method)

@@ -40,10 +40,9 @@ from qserve.model.resolve import model_files_stamp
 from qserve.quantize.arch import arch_spec
 from qserve.quantize.auto.budget import DENSE, Unit, candidate_schemes
 from qserve.quantize.block_context import BlockContext
-from qserve.quantize.calibration import calibration_ids
+from qserve.quantize.calibration import NAMED, calibration_ids
 from qserve.quantize.capture import capture_block_inputs
 from qserve.quantize.dynamic import Scheme
-from qserve.quantize.generated import GENERATED
 from qserve.quantize.gptq import accumulate_hessian, gptq_quantize
 from qserve.quantize.moe import prepare_moe
 from qserve.quantize.settings import QuantizeSettings
@@ -98,7 +97,7 @@ def measurement_key(model_path: Path, settings: QuantizeSettings) -> str:
     that shape each scheme."""
     stats = model_files_stamp(model_path)
     calib = settings.calib
-    if calib not in (None, "default", "mixed", GENERATED):
+    if calib not in (None, *NAMED):
         path = Path(calib)
         calib = [str(path.resolve()), path.stat().st_size, int(path.stat().st_mtime)]
     what = [

@@ -57,16 +57,16 @@ CASES: dict[str, dict[str, Any]] = {
     },  # fmt: skip
 }
 # cpu_kind -> case -> sha256 (recorded at commit eddb644, before the driver was split; the gptq
-# cases again when --mse became GPTQ's default)
+# cases again when --mse became GPTQ's default and when --calib generated did)
 HASHES: dict[str, dict[str, str]] = {
     "x86_64-AVX512-GenuineIntel": {  # Intel Xeon with AMX and AVX-512 BF16
         "awq": "9719ffa293ade867ff6a79ee47abe138aa0de53292bdf3372ca101f63dc97868",
         "fp8": "327da466984fa54b98f9493556a090a117cb7ede44c9272489a3e8bc9219558c",
         "fp8-dynamic-kv": "0335aad702da971e7c9c39d9589a5bce04feec4f82d100dccaa8a03983e9e5d0",
-        "gptaq": "8b1d24323e6cd75e9e7821a0cead4a1545aadd3882d68d41aef0ce46e5b463b2",
-        "gptaq-lm-head": "aa923f69228ad8d06d4899f25ad5b746c317d0b332fa99cd8a25d5e087af6fef",
-        "gptq": "98089c6fb909cdf580e8458e43ec6a6473d36761361669052734f3c2dc9afd7b",
-        "gptq-act-order": "fb2e572f406bca07ca40b8a6624fd4bbdc4e5f628ad98d86b066cc1944a30742",
+        "gptaq": "0a4a9bffca461b3e2b2b0c4df7c10ba3e9d96acc923dcec3874f0da12c091ed9",
+        "gptaq-lm-head": "b996b62569ce484f580f8216da9435e22b313d2cc9a1abe8a6c435002050e0c7",
+        "gptq": "fcbbd46aa78e38e87824e39de19d5220a461455395d5e98a90e65ae1e6478dc0",
+        "gptq-act-order": "6f2f4dbc90eb414859a84721b9d25138191feba03e7143b9062f732e64ae5165",
         "int8": "47297089996c98785e4826ad4139d014643758d217de4c0e7ac21162d2d03ccc",
         "int8-static": "13f0d534cd0cfd3436f87c80b9d4a796c33238369bf6a80df593f069b12e9507",
         "rtn": "1d25db01851bf237fb271325566daf867a0cde35c04378f1623f3a15305687e4",

@@ -431,12 +431,11 @@ def test_quantize_lm_head(method: str, tie: bool, offload: bool, tmp_path: Path)
     base = make_tiny_model(tmp_path / "base", tie=tie)
     out = tmp_path / "q"
     offload_dir = tmp_path / "offload" if offload else None
+    calib = dict(**CALIB, calib="moby-dick" if offload else None) if method == "gptq" else {}
     quantize_model(
         base,
         out,
-        QuantizeSettings(
-            method=method, group_size=32, quantize_lm_head=True, **CALIB if method == "gptq" else {}
-        ),
+        QuantizeSettings(method=method, group_size=32, quantize_lm_head=True, **calib),
         offload_dir=offload_dir,
     )
     sd = _tensors(out)
@@ -463,6 +462,13 @@ def test_quantize_lm_head(method: str, tie: bool, offload: bool, tmp_path: Path)
 
 def _lm_head(base: Path) -> torch.Tensor:
     return load_file(str(base / "model.safetensors"))["lm_head.weight"].float()
+
+
+def test_generated_calibration_is_refused_with_offload(tiny_llama: Path, tmp_path: Path) -> None:
+    """`generated` samples from the whole model: offloaded runs calibrate on a text."""
+    with pytest.raises(QServeError, match="--calib moby-dick") as info:
+        quantize_model(tiny_llama, tmp_path / "q", QuantizeSettings(), offload_dir=tmp_path / "o")
+    assert "\n" not in str(info.value) and not (tmp_path / "o").exists()
 
 
 def test_quantize_lm_head_needs_the_gptq_format(tiny_llama: Path, tmp_path: Path) -> None:

@@ -263,7 +263,7 @@ def test_ignored_experts_by_checkpoint_name(method, root, tmp_path):
 @pytest.mark.parametrize("method", ["gptq", "awq"])
 @pytest.mark.parametrize("arch", list(MODEL_TYPES))
 def test_offload_gives_the_same_moe_checkpoint(arch, method, root, tmp_path):
-    kw = dict(method=method, group_size=32, **CALIB)
+    kw = dict(method=method, group_size=32, calib="moby-dick", **CALIB)  # offload: a text
     model = saved(root, arch)
     plain = quantize_model(model, tmp_path / "plain", QuantizeSettings(**kw))
     offloaded = quantize_model(

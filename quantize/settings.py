@@ -59,6 +59,7 @@ METHOD_DEFAULTS: dict[str, dict[str, Any]] = {
     "format": {"rtn": "gptq", "gptq": "gptq", "auto": "gptq"},
     # auto: exactly one budget is given (checked in __post_init__)
     "max_ppl_increase": {"auto": None},
+    "max_kl": {"auto": None},
     "target_bits": {"auto": None},
     "measure_samples": {"auto": 4},
     "smooth_alpha": {"int8": 0.5},
@@ -70,6 +71,7 @@ METHOD_DEFAULTS: dict[str, dict[str, Any]] = {
 # little of its gain on other text; on text the model samples itself it keeps more).
 CALIB_DEFAULTS = {"gptq": "generated", "auto": "generated", "awq": "moby-dick",
                   "int8": "moby-dick", "fp8": "moby-dick"}  # fmt: skip
+AUTO_BUDGETS = ("max_ppl_increase", "max_kl", "target_bits")  # auto takes exactly one
 METHOD_BITS = {"rtn": (4, 8), "gptq": (4, 8), "awq": (4,), "int8": (8,), "fp8": (8,), "auto": ()}
 GPTQ_DAMP = 0.01  # what a GPTQ-format config records as damp_percent when no Hessian was damped
 
@@ -137,6 +139,10 @@ class QuantizeSettings:
     max_ppl_increase: str | None = setting(
         None, "auto: the largest perplexity increase allowed on held-out text, in percent (1% or "
         "1); the checkpoint is the smallest that meets it, verified before it is written.",
+    )  # fmt: skip
+    max_kl: Annotated[float, Range(0, min_open=True)] | None = setting(
+        None, "auto: the largest mean KL(float || quantized) of the next-token distributions on "
+        "held-out text, in nats per token; the smallest checkpoint that meets it, verified.",
     )  # fmt: skip
     target_bits: Annotated[float, Range(2.5, 16)] | None = setting(
         None, "auto: bits per weight of the quantized linears (scales, zeros and g_idx counted); "
@@ -214,11 +220,12 @@ class QuantizeSettings:
             raise QServeError("sym: only rtn, gptq use it, but method is awq (asymmetric)", "sym")
 
     def _check_auto(self) -> None:
-        budgets = [n for n in ("max_ppl_increase", "target_bits") if getattr(self, n) is not None]
+        budgets = [n for n in AUTO_BUDGETS if getattr(self, n) is not None]
         if len(budgets) != 1:
             raise QServeError(
-                "method auto needs one budget: --max-ppl-increase PERCENT or --target-bits BITS"
-                + (f" (got both: {', '.join(budgets)})" if budgets else ""),
+                "method auto needs one budget: --max-ppl-increase PERCENT, --max-kl NATS or "
+                "--target-bits BITS"
+                + (f" (got {len(budgets)}: {', '.join(budgets)})" if budgets else ""),
                 "max_ppl_increase",
             )
         if self.max_ppl_increase is not None:

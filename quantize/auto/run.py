@@ -2,14 +2,16 @@
 
     1. measure    each unit's predicted KL at each scheme (`measure`, cached under the qserve
                   cache, `autoquant/`)
-    2. allocate   the fewest bytes within the perplexity budget (`budget.min_bytes`), or the
-                  least error within --target-bits (`budget.min_error`)
+    2. allocate   the fewest bytes within the quality budget (`budget.min_bytes`): a perplexity
+                  increase (--max-ppl-increase) or a mean KL per token (--max-kl, `Goal`); or
+                  the least error within --target-bits (`budget.min_error`)
     3. quantize   GPTQ with the allocation as `dynamic` rules (one exact rule per scheme, the
                   most common W4 scheme as the checkpoint's default)
     4. verify     perplexity of the quantized checkpoint and the float model on the held-out
                   text (`qserve.data.heldout_text`, a kind of text no calibration source is),
-                  through the engine in fp32
-    5. retry      over budget: c (`budget.predicted_increase`) is re-fitted to what was measured
+                  through the engine in fp32; for --max-kl also the KL of their next-token
+                  distributions there (`kl.heldout_kl`)
+    5. retry      over budget: c (`Goal.refit`) is re-fitted to what was measured
                   and the allocation re-solved, only upgrading units; at most MAX_ATTEMPTS
                   quantizations. A checkpoint is written only once it meets its budget.
 
@@ -79,34 +81,81 @@ def quantize_auto(
     options)."""
     output_rules.check_output_dir(output_dir, overwrite, model_path)
     m, allocation = plan_auto(model_path, settings, cache_dir, progress)
-    c, increase = 1.0, math.inf
+    goal = Goal.of(settings)
+    c, measured = 1.0, {"increase": math.inf}
     scorer = _HeldOut(model_path)
     attempts: list[dict[str, Any]] = []
     with output_rules.staging_dir(output_dir, overwrite, model_path) as stage:
         for attempt in range(1, MAX_ATTEMPTS + 1):
             folder = stage / f".attempt-{attempt}"
             quantize(gptq_settings(settings, m.units, allocation), folder)
-            increase = scorer.increase(folder)
-            attempts.append(_attempt_record(allocation, m.units, c, increase))
+            measured = scorer.measure(folder, with_kl=goal is not None and goal.metric == "kl")
+            attempts.append(_attempt_record(allocation, m.units, c, measured))
             logger.warning(
-                "auto attempt %d: %s", attempt, _summary(allocation, m.units, c, increase)
+                "auto attempt %d: %s", attempt, _summary(allocation, m.units, c, measured)
             )
-            if settings.max_increase is None or increase <= settings.max_increase:
-                record = _record(settings, m, allocation, c, increase, attempts, scorer)
+            if goal is None or goal.met(measured):
+                record = _record(settings, m, allocation, c, measured, attempts, scorer)
                 _write_record(folder, provenance, record)
                 for entry in folder.iterdir():
                     entry.rename(stage / entry.name)
                 folder.rmdir()
                 return Path(output_dir)
             shutil.rmtree(folder)
-            c = SAFETY * math.log1p(increase) / max(allocation.error, 1e-12)
-            allocation = _upgrade(m, settings, c, allocation)
-        assert settings.max_increase is not None
+            c = goal.refit(measured, allocation.error)
+            allocation = _upgrade(m, goal, c, allocation)
+        assert goal is not None
         raise QServeError(
-            f"auto: no checkpoint met +{100 * settings.max_increase:g}% perplexity in "
-            f"{MAX_ATTEMPTS} attempts (the last measured +{100 * increase:.2f}%); nothing written",
-            "max_ppl_increase",
+            f"auto: no checkpoint met {goal.describe(goal.limit)} in {MAX_ATTEMPTS} attempts "
+            f"(the last measured {goal.describe(goal.value(measured))}); nothing written",
+            goal.param,
         )
+
+
+@dataclasses.dataclass(frozen=True)
+class Goal:
+    """A quality budget on held-out text: a perplexity increase (`ppl`, 0.01 = +1%) or a mean
+    KL per token (`kl`, nats). The prediction is c * (summed unit KLs): for `ppl` through
+    exp(.) - 1, for `kl` directly; c starts at 1 and is re-fitted to what was measured."""
+
+    metric: str
+    limit: float
+
+    @classmethod
+    def of(cls, settings: QuantizeSettings) -> Goal | None:
+        """The settings' quality budget; None for a size budget (--target-bits)."""
+        if settings.max_kl is not None:
+            return cls("kl", settings.max_kl)
+        if settings.max_increase is not None:
+            return cls("ppl", settings.max_increase)
+        return None
+
+    @property
+    def param(self) -> str:
+        return "max_kl" if self.metric == "kl" else "max_ppl_increase"
+
+    def max_error(self, c: float) -> float:
+        """The summed unit error whose prediction is the limit."""
+        if self.metric == "kl":
+            return self.limit / c
+        return budget.error_budget(self.limit, c)
+
+    def value(self, measured: Mapping[str, float]) -> float:
+        return measured["kl" if self.metric == "kl" else "increase"]
+
+    def met(self, measured: Mapping[str, float]) -> bool:
+        return self.value(measured) <= self.limit
+
+    def refit(self, measured: Mapping[str, float], error: float) -> float:
+        """c that would have predicted the measurement, raised by SAFETY."""
+        value = self.value(measured)
+        scaled = value if self.metric == "kl" else math.log1p(value)
+        return SAFETY * scaled / max(error, 1e-12)
+
+    def describe(self, value: float) -> str:
+        if self.metric == "kl":
+            return f"KL {value:.4g} nats/token"
+        return f"+{100 * value:.3g}% perplexity"
 
 
 def allocate(m: Measurement, settings: QuantizeSettings, c: float = 1.0) -> Allocation:
@@ -120,17 +169,17 @@ def allocate(m: Measurement, settings: QuantizeSettings, c: float = 1.0) -> Allo
                 "can take", "target_bits",
             )  # fmt: skip
         return found
-    assert settings.max_increase is not None
-    found = budget.min_bytes(m.units, m.errors, budget.error_budget(settings.max_increase, c))
+    goal = Goal.of(settings)
+    assert goal is not None
+    found = budget.min_bytes(m.units, m.errors, goal.max_error(c))
     assert found is not None  # all 16-bit has error 0: always within budget
     return found
 
 
-def _upgrade(m: Measurement, settings: QuantizeSettings, c: float, last: Allocation) -> Allocation:
+def _upgrade(m: Measurement, goal: Goal, c: float, last: Allocation) -> Allocation:
     """Re-solved under the re-fitted `c`, no unit below its last scheme; when that changes
     nothing, the unit of largest predicted error moves up one scheme."""
-    assert settings.max_increase is not None
-    max_error = budget.error_budget(settings.max_increase, c)
+    max_error = goal.max_error(c)
     found = budget.min_bytes(m.units, m.errors, max_error, floor=last.schemes)
     if found is not None and found.schemes != last.schemes:
         return found
@@ -162,7 +211,8 @@ def gptq_settings(
     ]
     return dataclasses.replace(
         settings, method="gptq", bits=default.bits, group_size=default.group_size,
-        dynamic=tuple(rules), max_ppl_increase=None, target_bits=None, measure_samples=None,
+        dynamic=tuple(rules), max_ppl_increase=None, max_kl=None, target_bits=None,
+        measure_samples=None,
     )  # fmt: skip
 
 
@@ -187,25 +237,50 @@ class _HeldOut:
     def increase(self, folder: Path) -> float:
         return _heldout_perplexity(folder)[0] / self.base - 1
 
+    def measure(self, folder: Path, with_kl: bool = False) -> dict[str, float]:
+        """{"increase": perplexity increase} and, `with_kl`, {"kl": mean KL per token}."""
+        measured = {"increase": self.increase(folder)}
+        if with_kl:
+            measured["kl"] = _heldout_kl(self.model_path, folder)
+        return measured
+
+
+def _heldout_ids(folder: Path) -> tuple[list[int], list[int], int]:
+    """(held-out token ids, the tokens a text starts with, window) for the model at `folder`."""
+    from qserve.data import heldout_text
+    from qserve.eval import text_prefix
+    from qserve.model.config import ModelConfig
+    from qserve.model.loader import load_tokenizer
+
+    tokenizer = load_tokenizer(folder)
+    ids = tokenizer.encode(heldout_text(), add_special_tokens=False)
+    max_len = ModelConfig.from_pretrained(folder).max_position_embeddings
+    return ids, text_prefix(tokenizer), min(VERIFY_WINDOW, max_len - 1)
+
 
 def _heldout_perplexity(folder: Path) -> tuple[float, int]:
     import gc
 
     from qserve.config import EngineConfig
-    from qserve.data import heldout_text
     from qserve.engine.llm_engine import LLMEngine
-    from qserve.eval import perplexity, text_prefix
+    from qserve.eval import perplexity
 
+    ids, prefix, window = _heldout_ids(folder)
     engine = LLMEngine(EngineConfig(str(folder), dtype="float32", kv_cache_memory="64MiB"))
     try:
-        ids = engine.tokenizer.encode(heldout_text(), add_special_tokens=False)
-        prefix = text_prefix(engine.tokenizer)
-        window = min(VERIFY_WINDOW, engine.max_model_len - 1)  # room for one output token
+        window = min(window, engine.max_model_len - 1)  # room for one output token
         result = perplexity(engine, ids, window, VERIFY_TOKENS, prefix)
         return result.perplexity, result.num_tokens
     finally:
         del engine
         gc.collect()
+
+
+def _heldout_kl(model_path: Path, folder: Path) -> float:
+    from qserve.quantize.auto.kl import heldout_kl
+
+    ids, prefix, window = _heldout_ids(folder)
+    return heldout_kl(model_path, folder, ids, window, VERIFY_TOKENS, prefix)[0]
 
 
 # ------------------------------------------------------------------------------ reporting
@@ -223,23 +298,31 @@ def format_allocation(m: Measurement, allocation: Allocation, c: float = 1.0) ->
 
 
 def _summary(
-    allocation: Allocation, units: list[Unit], c: float, measured: float | None = None
+    allocation: Allocation,
+    units: list[Unit],
+    c: float,
+    measured: Mapping[str, float] | None = None,
 ) -> str:
     bpw = allocation.bits_per_weight(units)
     predicted = 100 * budget.predicted_increase(allocation.error, c)
     text = f"{allocation.bytes / 2**20:.2f} MiB of linears ({bpw:.3f} bits/weight), "
-    text += f"predicted perplexity {predicted:+.3f}%"
-    return text if measured is None else text + f", measured {100 * measured:+.3f}%"
+    text += f"predicted perplexity {predicted:+.3f}%, KL {c * allocation.error:.4g}"
+    if measured is None:
+        return text
+    text += f"; measured perplexity {100 * measured['increase']:+.3f}%"
+    return text + (f", KL {measured['kl']:.4g}" if "kl" in measured else "")
 
 
 def _attempt_record(
-    allocation: Allocation, units: list[Unit], c: float, increase: float
+    allocation: Allocation, units: list[Unit], c: float, measured: Mapping[str, float]
 ) -> dict[str, Any]:
     return {
         "bytes": allocation.bytes,
         "bits_per_weight": allocation.bits_per_weight(units),
         "predicted_increase": budget.predicted_increase(allocation.error, c),
-        "measured_increase": increase,
+        "predicted_kl": c * allocation.error,
+        "measured_increase": measured["increase"],
+        "measured_kl": measured.get("kl"),
         "c": c,
     }
 
@@ -249,20 +332,26 @@ def _record(
     m: Measurement,
     allocation: Allocation,
     c: float,
-    increase: float,
+    measured: Mapping[str, float],
     attempts: list[dict[str, Any]],
     scorer: _HeldOut,
 ) -> dict[str, Any]:
+    goal = Goal.of(settings)
     return {
-        "budget": {"max_ppl_increase": settings.max_increase, "target_bits": settings.target_bits},
-        "met": settings.max_increase is None or increase <= settings.max_increase,
+        "budget": {
+            "max_ppl_increase": settings.max_increase,
+            "max_kl": settings.max_kl,
+            "target_bits": settings.target_bits,
+        },
+        "met": goal is None or goal.met(measured),
         "measured": {
             "text": "qserve.data.heldout_text (State of the Union 2010-2020)",
             "tokens": scorer.base_tokens,
             "base_perplexity": scorer.base,
-            "increase": increase,
+            **measured,
         },
         "predicted_increase": budget.predicted_increase(allocation.error, c),
+        "predicted_kl": c * allocation.error,
         "attempts": attempts,
         "measurement": {"tokens": m.tokens, "seconds": m.seconds, "additivity": m.additivity},
         "allocation": [

@@ -179,7 +179,10 @@ def test_auto_writes_nothing_when_no_attempt_meets_the_budget(
     [
         ([], "needs one budget"),
         (["--max-ppl-increase", "abc"], "percentage"),
-        (["--max-ppl-increase", "1", "--target-bits", "4"], "got both"),
+        (["--max-ppl-increase", "1", "--target-bits", "4"], "got 2"),
+        (["--max-kl", "0.01", "--target-bits", "4"], "got 2"),
+        (["--max-kl", "0"], "not in the range x>0"),
+        (["--max-kl", "x"], "max-kl"),
         (["--target-bits", "1"], "target-bits"),
         (["-m", "gptq", "--dry-run"], "only --method auto"),
         (["-m", "gptq", "--target-bits", "4"], "only auto uses it"),

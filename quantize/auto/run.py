@@ -62,7 +62,9 @@ def plan_auto(
 ) -> tuple[Measurement, Allocation]:
     """The measurement (cached) and the first allocation: what --dry-run prints."""
     m = measure(model_path, settings, cache_dir, progress)
-    return m, allocate(m, settings)
+    allocation = allocate(m, settings)
+    _check_quantizes(allocation, Goal.of(settings))
+    return m, allocation
 
 
 def quantize_auto(
@@ -104,6 +106,7 @@ def quantize_auto(
             shutil.rmtree(folder)
             c = goal.refit(measured, allocation.error)
             allocation = _upgrade(m, goal, c, allocation)
+            _check_quantizes(allocation, goal)
         assert goal is not None
         raise QServeError(
             f"auto: no checkpoint met {goal.describe(goal.limit)} in {MAX_ATTEMPTS} attempts "
@@ -156,6 +159,16 @@ class Goal:
         if self.metric == "kl":
             return f"KL {value:.4g} nats/token"
         return f"+{100 * value:.3g}% perplexity"
+
+
+def _check_quantizes(allocation: Allocation, goal: Goal | None) -> None:
+    """A budget only 16-bit everywhere meets is said so, not written as a "quantized" copy."""
+    if goal is not None and all(s.dense for s in allocation.schemes.values()):
+        raise QServeError(
+            f"auto: only every linear at 16 bits is predicted to meet "
+            f"{goal.describe(goal.limit)}; nothing written (serve the model as it is, or "
+            "allow more)", goal.param,
+        )  # fmt: skip
 
 
 def allocate(m: Measurement, settings: QuantizeSettings, c: float = 1.0) -> Allocation:

@@ -54,3 +54,16 @@ def test_auto_meets_a_kl_budget(tiny_llama: Path, tmp_path: Path, monkeypatch) -
     ids, prefix, window = run._heldout_ids(out)  # what was verified is what the folder holds
     kl, _ = heldout_kl(tiny_llama, out, ids, window, run.VERIFY_TOKENS, prefix)
     assert kl == pytest.approx(record["measured"]["kl"], rel=1e-9)
+
+
+@pytest.mark.parametrize("budget", [["--max-kl", "1e-12"], ["--max-ppl-increase", "1e-9"]])
+def test_a_budget_only_16_bit_meets_is_said_so(
+    tiny_llama: Path, tmp_path: Path, monkeypatch, budget: list[str]
+) -> None:
+    monkeypatch.setenv("QSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    out = tmp_path / "never"
+    args = ["quantize", str(tiny_llama), "-m", "auto", *budget, "-q", "--measure-samples", "2",
+            "--num-samples", "4", "--seq-len", "64", "-o", str(out)]  # fmt: skip
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 2 and "only every linear at 16 bits" in result.output
+    assert "Traceback" not in result.output and not out.exists()

@@ -152,6 +152,7 @@ def quantize_model(
     if scales is not None and Path(scales).is_dir():
         raise QServeError(f"scales file {scales} is a folder", param="scales")
     config = AutoConfig.from_pretrained(model_path)
+    _check_seq_len(settings, config)
     spec = arch_spec(config.model_type)
     settings = with_routers_ignored(settings, spec)
     skeleton = meta_model(config)
@@ -197,6 +198,16 @@ def quantize_model(
             made_by = {**made_by, **_fallback_record(spec, results.fallbacks)}
             export.write_provenance(tmp, made_by)
     return Path(output_dir)
+
+
+def _check_seq_len(settings: QuantizeSettings, config: Any) -> None:
+    """Calibration windows longer than the model's context are refused in one line."""
+    context = getattr(config.get_text_config(), "max_position_embeddings", None)
+    if settings.needs_calibration() and context and settings.seq_len > context:
+        raise QServeError(
+            f"seq_len {settings.seq_len} is longer than the model's context ({context} "
+            "tokens): calibration windows must fit in it", "seq_len",
+        )  # fmt: skip
 
 
 def _fallback_record(spec: ArchSpec, fallbacks: dict[str, int]) -> dict[str, Any]:

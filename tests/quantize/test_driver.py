@@ -511,3 +511,11 @@ def test_method_defaults_gptaq_and_gptq_rounding() -> None:
     not_gptq = "gptq_weights: only int8, fp8 use it, but method is gptq"
     with pytest.raises(QServeError, match=not_gptq):
         QuantizeSettings(method="gptq", gptq_weights=True)
+
+
+def test_windows_longer_than_the_context_are_refused(tiny_llama: Path, tmp_path: Path) -> None:
+    context = json.loads((tiny_llama / "config.json").read_text())["max_position_embeddings"]
+    settings = QuantizeSettings(num_samples=2, seq_len=context + 1)
+    with pytest.raises(QServeError, match=f"longer than the model's context \\({context}") as info:
+        quantize_model(tiny_llama, tmp_path / "q", settings)
+    assert "\n" not in str(info.value) and not (tmp_path / "q").exists()

@@ -5,8 +5,9 @@ auto` at several budgets, beside uniform schemes and a llama.cpp-style mix, in o
         [--num-samples 32] [--eval-tokens 4096] [--num-threads 2]
         [--output benchmarks/results/autoquant.json] [--chart benchmarks/results/autoquant.png]
 
-Rows, each a GPTQ checkpoint written by `quantize_model` (GPTAQ on, calibrated on the default
-text, Moby-Dick ch. 11+, `--num-samples` x 512 tokens):
+Rows, each a GPTQ checkpoint written by `quantize_model` (qserve's GPTQ defaults: GPTAQ, mse,
+`--calib generated`, `--num-samples` x 512 tokens; results/autoquant.json predates the last
+two and calibrated on Moby-Dick ch. 11+):
 
     uniform      W4 at every group size that divides the model's linears, W8 per channel
     llama.cpp    Q4_K_M's rule at our schemes: attention q/k/v (llama.cpp: attn_v) and

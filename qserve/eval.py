@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 from qserve.data import EVAL_CHAPTERS, moby_dick
 from qserve.engine.sampling_params import RequestOutputKind, SamplingParams
 from qserve.errors import QServeError, read_user_text
+from qserve.quantize.calibration import text_prefix
 
 if TYPE_CHECKING:
     from qserve.engine.llm_engine import LLMEngine
@@ -172,13 +173,3 @@ def evaluate_text(
     prefix = text_prefix(engine.tokenizer)
     ids = engine.tokenizer.encode(text, add_special_tokens=False)
     return perplexity(engine, ids, seq_len, max_tokens, prefix)
-
-
-def text_prefix(tokenizer: Any) -> list[int]:
-    """The special tokens the tokenizer puts before a text (e.g. [<bos>]; [] for most)."""
-    with_special = tokenizer.encode("a", add_special_tokens=True)
-    without = tokenizer.encode("a", add_special_tokens=False)
-    cut = len(with_special) - len(without)
-    if cut < 0 or with_special[cut:] != without:
-        return []
-    return with_special[:cut]

@@ -24,11 +24,10 @@ from torch import Tensor
 
 from qserve.data import CALIBRATION_FILE, calibration_text, read_text
 from qserve.errors import QServeError, read_user_text
-from qserve.eval import text_prefix
 from qserve.quantize.generated import GENERATED, generated_ids, mixed_with_generated
 
 __all__ = ["MOBY_DICK", "MIXED", "NAMED", "load_calibration_text", "calibration_windows",
-           "calibration_ids"]  # fmt: skip
+           "calibration_ids", "text_prefix"]  # fmt: skip
 
 MOBY_DICK, MIXED = "moby-dick", "mixed"
 NAMED = (MOBY_DICK, GENERATED, MIXED)  # the sources `--calib` takes by name
@@ -117,3 +116,13 @@ def calibration_ids(
         return generated
     text = calibration_windows(tokenizer, load_calibration_text(), num_samples // 2, seq_len)
     return mixed_with_generated(generated, text)
+
+
+def text_prefix(tokenizer: Any) -> list[int]:
+    """The special tokens the tokenizer puts before a text (e.g. [<bos>]; [] for most)."""
+    with_special = tokenizer.encode("a", add_special_tokens=True)
+    without = tokenizer.encode("a", add_special_tokens=False)
+    cut = len(with_special) - len(without)
+    if cut < 0 or with_special[cut:] != without:
+        return []
+    return with_special[:cut]

@@ -18,8 +18,6 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from qserve.eval import text_prefix
-from qserve.model.loader import load_tokenizer
 from qserve.model.resolve import model_files_stamp
 
 __all__ = ["GENERATED", "generated_ids", "generated_cache_dir", "mixed_with_generated"]
@@ -49,7 +47,11 @@ def generated_ids(
     the engine), from `cache_dir` when there (None: `generated_cache_dir()`). Each sequence
     starts as the tokenizer starts a text (Gemma's <bos>), then a random token."""
     cache_dir = generated_cache_dir() if cache_dir is None else cache_dir
-    prefix = text_prefix(load_tokenizer(model_path))
+    from transformers import AutoTokenizer
+
+    from qserve.quantize.calibration import text_prefix  # (calibration imports this module)
+
+    prefix = text_prefix(AutoTokenizer.from_pretrained(model_path))
     path = cache_dir / f"{_key(model_path, num_samples, seq_len, prefix)}.pt"
     if path.is_file():
         return torch.load(path)

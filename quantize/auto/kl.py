@@ -18,14 +18,13 @@ from __future__ import annotations
 import gc
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
 
-from qserve.eval import windows
-from qserve.model.attention import AttentionMetadata, make_kv_cache
-from qserve.model.config import ModelConfig
-from qserve.model.loader import load_model
+if TYPE_CHECKING:
+    from qserve.model.config import ModelConfig
 
 __all__ = ["heldout_kl", "window_hidden"]
 
@@ -44,6 +43,9 @@ def heldout_kl(
 ) -> tuple[float, int]:
     """(mean KL per token, positions counted) of the quantized checkpoint against the float
     model on the text `ids`, in windows of `window` tokens (prefix included)."""
+    from qserve.eval import windows  # the application's modules, imported when run
+    from qserve.model.loader import load_model
+
     models = [load_model(folder, torch.float32) for folder in (float_folder, quant_folder)]
     try:
         total, count = 0.0, 0
@@ -65,6 +67,8 @@ def heldout_kl(
 
 def window_hidden(model: nn.Module, config: ModelConfig, tokens: Sequence[int]) -> Tensor:
     """Final hidden states [T, hidden] of one sequence run as a single prefill."""
+    from qserve.model.attention import AttentionMetadata, make_kv_cache
+
     T = len(tokens)
     num_blocks = -(-T // BLOCK_SIZE)
     caches = [

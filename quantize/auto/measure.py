@@ -34,13 +34,11 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from qserve.eval import text_prefix
-from qserve.model.loader import load_tokenizer
 from qserve.model.resolve import model_files_stamp
 from qserve.quantize.arch import arch_spec
 from qserve.quantize.auto.budget import DENSE, Unit, candidate_schemes
 from qserve.quantize.block_context import BlockContext
-from qserve.quantize.calibration import NAMED, calibration_ids
+from qserve.quantize.calibration import NAMED, calibration_ids, text_prefix
 from qserve.quantize.capture import capture_block_inputs
 from qserve.quantize.dynamic import Scheme
 from qserve.quantize.gptq import accumulate_hessian, gptq_quantize
@@ -104,7 +102,9 @@ def measurement_key(model_path: Path, settings: QuantizeSettings) -> str:
         MEASURE_VERSION, stats, calib, settings.measure_samples, settings.seq_len, settings.sym,
         settings.damp, settings.act_group_aware, settings.mse, list(settings.ignore),
     ]  # fmt: skip
-    prefix = text_prefix(load_tokenizer(model_path))  # windows start with it (Gemma's <bos>)
+    from transformers import AutoTokenizer
+
+    prefix = text_prefix(AutoTokenizer.from_pretrained(model_path))  # Gemma's <bos>
     what += [prefix] if prefix else []  # the keys of models without one predate it
     return hashlib.sha256(json.dumps(what, default=str).encode()).hexdigest()[:16]
 

@@ -5,9 +5,11 @@
         [--calib-seq-len 256] [--seq-len 512] [--max-tokens 2048] [--dtype bfloat16]
         [--num-threads 1] [--output benchmarks/results/quality.json]
 
-Calibration (`--calib`): `qserve quantize`'s default, Moby-Dick ch. 11-135; `mixed` is the
-bundled mix of fiction, drama, encyclopedia prose, Python documentation and Python code
-(`qserve.data.calibration_text`); or a file.
+Calibration (`--calib`): each method's default in `qserve quantize` (`generated` for GPTQ:
+half text the model samples itself, half Moby-Dick ch. 11-135; `moby-dick` for AWQ, INT8 and
+FP8, and for the third-party tools' rows the default of qserve's method of their kind);
+`moby-dick`, `generated`, `mixed` (the bundled mix of fiction, drama, encyclopedia prose,
+Python documentation and Python code, `qserve.data.calibration_text`) or a file for all rows.
 Every row is scored on two texts, each the first `--max-tokens` tokens (0: all) in
 non-overlapping `--seq-len` windows, the same token ids for every row (tokenized once):
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from pathlib import Path
 
 import torch
@@ -22,6 +23,7 @@ from qserve.model.resolve import model_files_stamp
 
 __all__ = ["GENERATED", "generated_ids", "generated_cache_dir", "mixed_with_generated"]
 
+logger = logging.getLogger("qserve")
 GENERATED = "generated"
 START_TOKENS = 10_000  # first tokens are drawn from the lowest ids (a BPE's most common merges)
 SEED = 0
@@ -65,11 +67,22 @@ def generated_ids(
 
 def _sample(model_path: Path, num_samples: int, seq_len: int, prefix: list[int]) -> Tensor:
     import gc
+    import time
 
     from qserve.engine.llm import LLM
     from qserve.engine.sampling_params import SamplingParams
 
-    llm = LLM(str(model_path), dtype="float32", max_model_len=seq_len)
+    logger.info(
+        "calibration: sampling %d sequences of %d tokens from the model (--calib generated; "
+        "cached in %s)", num_samples, seq_len, generated_cache_dir(),
+    )  # fmt: skip
+    start = time.monotonic()
+    level = logger.level
+    logger.setLevel(logging.WARNING)  # not the sampling engine's start-up report
+    try:
+        llm = LLM(str(model_path), dtype="float32", max_model_len=seq_len)
+    finally:
+        logger.setLevel(level)
     try:
         special = set(llm.get_tokenizer().all_special_ids)
         vocab = min(START_TOKENS, llm.engine.model_config.vocab_size)
@@ -83,6 +96,7 @@ def _sample(model_path: Path, num_samples: int, seq_len: int, prefix: list[int])
         ]
         prompts = [[*prefix, s] for s in starts]
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+        logger.info("calibration: sampled in %.0f s", time.monotonic() - start)
         return torch.tensor([[*p, *o.outputs[0].token_ids] for p, o in zip(prompts, outputs)])
     finally:
         del llm

@@ -143,3 +143,20 @@ def test_a_zero_point_of_zero_is_refused_in_one_line() -> None:
     with pytest.raises(QServeError, match="zero point of 0") as info:
         gptq_from_pack_quantized("l", state, 4)
     assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3-moe"])
+def test_moe_experts_export_and_load_per_expert(arch: str, tmp_path: Path) -> None:
+    from tests.quantize.test_moe import saved
+
+    model = saved(tmp_path, arch)
+    kw = dict(group_size=32, num_samples=4, seq_len=32, calib="moby-dick")
+    folders = [
+        quantize_model(model, tmp_path / fmt, QuantizeSettings(format=fmt, **kw))
+        for fmt in ("gptq", "compressed-tensors")
+    ]
+    sd = load_file(str(folders[1] / "model.safetensors"))
+    assert any(".experts.1." in k and k.endswith("weight_packed") for k in sd)
+    prompt = list(range(5, 25))
+    (theirs, gptq_paths), (logits, paths) = (ours(f, prompt) for f in folders)
+    assert rel_err(logits, theirs) <= SAME_FP32 and paths == gptq_paths

@@ -113,17 +113,25 @@ def test_measurement_is_cached_and_predicts_each_unit(tiny_llama: Path, tmp_path
     assert again.to_json() == first.to_json() == json.loads(cached.read_text())
 
 
+def auto_args(model: Path, budget: list[str]) -> list[str]:
+    """`qserve quantize MODEL -m auto BUDGET` with a small measurement and calibration."""
+    return ["quantize", str(model), "-m", "auto", *budget, "-q", "--measure-samples", "2",
+            "--num-samples", "4", "--seq-len", "64"]  # fmt: skip
+
+
+def run_auto(model: Path, out: Path, budget: list[str], monkeypatch) -> dict:
+    """Run it into `out` (caching under a temporary folder); the checkpoint's auto record."""
+    monkeypatch.setenv("QSERVE_CACHE_DIR", str(out.parent / "cache"))
+    result = CliRunner().invoke(cli, [*auto_args(model, budget), "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    return json.loads((out / "qserve_recipe.json").read_text())["auto"]
+
+
 def test_auto_meets_its_budget_on_held_out_text(
     tiny_llama: Path, tmp_path: Path, monkeypatch
 ) -> None:
-    monkeypatch.setenv("QSERVE_CACHE_DIR", str(tmp_path / "cache"))
-    out = tmp_path / "auto"
-    args = ["quantize", str(tiny_llama), "-m", "auto", "--max-ppl-increase", "0.05%", "-q",
-            "--measure-samples", "2", "--num-samples", "4", "--seq-len", "64",
-            "-o", str(out)]  # fmt: skip
-    result = CliRunner().invoke(cli, args, catch_exceptions=False)
-    assert result.exit_code == 0, result.output
-    record = json.loads((out / "qserve_recipe.json").read_text())["auto"]
+    out, args = tmp_path / "auto", ["--max-ppl-increase", "0.05%"]
+    record = run_auto(tiny_llama, out, args, monkeypatch)
     assert record["met"] and record["measured"]["increase"] <= 0.0005
     assert record["measured"]["tokens"] > 1000
     schemes = {a["scheme"] for a in record["allocation"]}
@@ -133,7 +141,7 @@ def test_auto_meets_its_budget_on_held_out_text(
     # what was verified is what the engine serves: score it again
     scorer = run._HeldOut(tiny_llama)
     assert scorer.increase(out) == pytest.approx(record["measured"]["increase"], abs=1e-9)
-    dry = CliRunner().invoke(cli, [*args[:-2], "--dry-run"], catch_exceptions=False)
+    dry = CliRunner().invoke(cli, [*auto_args(tiny_llama, args), "--dry-run"])
     assert dry.exit_code == 0 and "predicted perplexity" in dry.output
     assert "model.layers.1.mlp.down_proj" in dry.output
 
@@ -141,14 +149,9 @@ def test_auto_meets_its_budget_on_held_out_text(
 def test_auto_writes_its_mix_as_compressed_tensors(
     tiny_llama: Path, tmp_path: Path, monkeypatch
 ) -> None:
-    monkeypatch.setenv("QSERVE_CACHE_DIR", str(tmp_path / "cache"))
     out = tmp_path / "auto-ct"
-    args = ["quantize", str(tiny_llama), "-m", "auto", "--target-bits", "6", "-q",
-            "--format", "compressed-tensors", "--measure-samples", "2", "--num-samples", "4",
-            "--seq-len", "64", "-o", str(out)]  # fmt: skip
-    result = CliRunner().invoke(cli, args, catch_exceptions=False)
-    assert result.exit_code == 0, result.output
-    record = json.loads((out / "qserve_recipe.json").read_text())["auto"]
+    args = ["--target-bits", "6", "--format", "compressed-tensors"]
+    record = run_auto(tiny_llama, out, args, monkeypatch)
     qc = json.loads((out / "config.json").read_text())["quantization_config"]
     assert qc["quant_method"] == "compressed-tensors" and qc["format"] == "pack-quantized"
     schemes = {a["scheme"] for a in record["allocation"]} - {"bf16"}

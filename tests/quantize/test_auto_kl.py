@@ -3,7 +3,6 @@ verifies the budget, and the whole run on the tiny Llama."""
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
@@ -18,6 +17,7 @@ from qserve.eval import perplexity
 from qserve.model.loader import load_model, load_tokenizer
 from qserve.quantize.auto import run
 from qserve.quantize.auto.kl import heldout_kl, window_hidden
+from tests.quantize.test_auto import auto_args, run_auto
 
 
 def test_kl_is_zero_against_itself_and_its_logprobs_are_the_engines(tiny_llama: Path) -> None:
@@ -38,14 +38,8 @@ def test_kl_is_zero_against_itself_and_its_logprobs_are_the_engines(tiny_llama: 
 
 
 def test_auto_meets_a_kl_budget(tiny_llama: Path, tmp_path: Path, monkeypatch) -> None:
-    monkeypatch.setenv("QSERVE_CACHE_DIR", str(tmp_path / "cache"))
     out = tmp_path / "auto-kl"
-    args = ["quantize", str(tiny_llama), "-m", "auto", "--max-kl", "0.002", "-q",
-            "--measure-samples", "2", "--num-samples", "4", "--seq-len", "64",
-            "-o", str(out)]  # fmt: skip
-    result = CliRunner().invoke(cli, args, catch_exceptions=False)
-    assert result.exit_code == 0, result.output
-    record = json.loads((out / "qserve_recipe.json").read_text())["auto"]
+    record = run_auto(tiny_llama, out, ["--max-kl", "0.002"], monkeypatch)
     assert record["budget"]["max_kl"] == 0.002 and record["met"]
     assert 0 < record["measured"]["kl"] <= 0.002
     assert all(a["measured_kl"] is not None for a in record["attempts"])
@@ -62,8 +56,6 @@ def test_a_budget_only_16_bit_meets_is_said_so(
 ) -> None:
     monkeypatch.setenv("QSERVE_CACHE_DIR", str(tmp_path / "cache"))
     out = tmp_path / "never"
-    args = ["quantize", str(tiny_llama), "-m", "auto", *budget, "-q", "--measure-samples", "2",
-            "--num-samples", "4", "--seq-len", "64", "-o", str(out)]  # fmt: skip
-    result = CliRunner().invoke(cli, args)
+    result = CliRunner().invoke(cli, [*auto_args(tiny_llama, budget), "-o", str(out)])
     assert result.exit_code == 2 and "only every linear at 16 bits" in result.output
     assert "Traceback" not in result.output and not out.exists()

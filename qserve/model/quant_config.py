@@ -254,6 +254,8 @@ def _parse_compressed_tensors(raw: dict[str, Any], source: str) -> QuantScheme:
     groups = raw.get("config_groups") or {}
     if not isinstance(groups, dict) or not groups:
         raise QServeError(f"{source}: compressed-tensors config has no config_groups")
+    if not all(isinstance(g, dict) for g in groups.values()):
+        raise QServeError(f"{source}: compressed-tensors config_groups are not JSON objects")
     parsed = tuple(_ct_group(name, g, g.get("format") or fmt, source) for name, g in groups.items())
     return QuantScheme(
         "compressed-tensors",

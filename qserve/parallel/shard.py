@@ -56,7 +56,7 @@ def column_shard(
     for key, t in tensors.items():
         if key == "bias" or (key in ("weight", "weight_scale") and t.shape[0] == N):
             out[key] = t[r0:r1]  # [N, ...]: dense / w8 weight, per-channel w8 scales, bias
-        elif key in ("scales",) or (fmt == "gptq" and key == "qweight"):
+        elif key == "scales" or (fmt == "gptq" and key == "qweight"):
             out[key] = t[:, r0:r1]  # [.., N]
         elif key == "qzeros" or (fmt == "awq" and key == "qweight"):
             out[key] = t[:, r0 // pack : r1 // pack]  # [.., N / pack]
@@ -73,7 +73,7 @@ def row_shard(
     K = _in_features(tensors, fmt)
     N = _out_features(tensors, fmt)
     pack = 32 // _bits(tensors, fmt, N) if fmt == "gptq" else 1
-    act_order = fmt == "gptq" and "g_idx" in tensors and not _consecutive(tensors["g_idx"], K)
+    act_order = fmt == "gptq" and "g_idx" in tensors and not _ascending(tensors["g_idx"])
     grouped = fmt in ("gptq", "awq") and group_size != -1 and not act_order
     unit = group_size if grouped else pack
     what = f"whole groups of {group_size}" if grouped else f"the {pack} values packed in a word"
@@ -107,9 +107,10 @@ def _check_cut(size: int, world: int, unit: int, name: str, what: str, why: str)
         )
 
 
-def _consecutive(g_idx: Tensor, K: int) -> bool:
+def _ascending(g_idx: Tensor) -> bool:
+    """Groups in input-channel order (no act-order permutation)."""
     g = g_idx.to(torch.int64)
-    return bool(torch.all(g[1:] >= g[:-1])) if K > 1 else True
+    return bool(torch.all(g[1:] >= g[:-1]))
 
 
 def _out_features(tensors: Tensors, fmt: str) -> int:

@@ -16,7 +16,8 @@ the final logits on calibration tokens with only unit u quantized at scheme s
     log(ppl_q / ppl) = c * sum_u e_u(s_u)
 
 with c = 1 to start (to first order, the cross entropy on text the model predicts well rises by
-the KL) and re-fitted to the measured increase after each verification.
+the KL) and re-fitted to the measured increase after each verification. A KL budget
+(`--max-kl`) predicts the KL itself as c * sum_u e_u(s_u). `Goal` holds either budget.
 
 Allocators: a multiple-choice knapsack by dynamic programming over the budget, discretized in
 `bins` steps, each option's budget use rounded up (so the result never exceeds the budget):
@@ -28,11 +29,15 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from qserve.quantize.dynamic import Scheme
+
+if TYPE_CHECKING:
+    from qserve.quantize.settings import QuantizeSettings
 
 __all__ = [
     "Allocation",
@@ -43,9 +48,13 @@ __all__ = [
     "min_error",
     "predicted_increase",
     "error_budget",
+    "Goal",
+    "predicted",
+    "SAFETY",
 ]
 
 DENSE = Scheme(16)
+SAFETY = 1.1  # a re-fitted c is raised by this much, so a retry does not land just over again
 W4_GROUPS = (128, 64, 32)
 
 
@@ -194,3 +203,57 @@ def _allocation(
         sum(b for _, b, _ in picked),
         sum(e for _, _, e in picked),
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class Goal:
+    """A quality budget on held-out text: a perplexity increase (`ppl`, 0.01 = +1%) or a mean
+    KL per token (`kl`, nats). The prediction is c * (summed unit KLs): for `ppl` through
+    exp(.) - 1, for `kl` directly; c starts at 1 and is re-fitted to what was measured."""
+
+    metric: str
+    limit: float
+
+    @classmethod
+    def of(cls, settings: QuantizeSettings) -> Goal | None:
+        """The settings' quality budget; None for a size budget (--target-bits)."""
+        if settings.max_kl is not None:
+            return cls("kl", settings.max_kl)
+        if settings.max_increase is not None:
+            return cls("ppl", settings.max_increase)
+        return None
+
+    @property
+    def param(self) -> str:
+        return "max_kl" if self.metric == "kl" else "max_ppl_increase"
+
+    def max_error(self, c: float) -> float:
+        """The summed unit error whose prediction is the limit."""
+        if self.metric == "kl":
+            return self.limit / c
+        return error_budget(self.limit, c)
+
+    def value(self, measured: Mapping[str, float]) -> float:
+        return measured["kl" if self.metric == "kl" else "increase"]
+
+    def met(self, measured: Mapping[str, float]) -> bool:
+        return self.value(measured) <= self.limit
+
+    def refit(self, measured: Mapping[str, float], error: float) -> float:
+        """c that would have predicted the measurement, raised by SAFETY."""
+        value = self.value(measured)
+        scaled = value if self.metric == "kl" else math.log1p(value)
+        return SAFETY * scaled / max(error, 1e-12)
+
+    def describe(self, value: float) -> str:
+        if self.metric == "kl":
+            return f"KL {value:.4g} nats/token"
+        return f"+{100 * value:.3g}% perplexity"
+
+
+def predicted(error: float, c: float, goal: Goal | None) -> dict[str, float]:
+    """Predicted perplexity increase and KL of a summed unit error; `c` is fitted to the
+    goal's own metric, so the other one is predicted with c = 1."""
+    c_kl = c if goal is not None and goal.metric == "kl" else 1.0
+    c_ppl = c if goal is None or goal.metric == "ppl" else 1.0
+    return {"increase": predicted_increase(error, c_ppl), "kl": c_kl * error}

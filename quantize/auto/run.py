@@ -51,7 +51,6 @@ logger = logging.getLogger("qserve")
 MAX_ATTEMPTS = 3
 VERIFY_TOKENS = 4096  # held-out tokens scored per verification
 VERIFY_WINDOW = 512  # tokens per window (fewer when the model's context is shorter)
-SAFETY = 1.1  # a re-fitted c is raised by this much, so a retry does not land just over again
 
 
 def plan_auto(
@@ -63,7 +62,7 @@ def plan_auto(
     """The measurement (cached) and the first allocation: what --dry-run prints."""
     m = measure(model_path, settings, cache_dir, progress)
     allocation = allocate(m, settings)
-    _check_quantizes(allocation, Goal.of(settings))
+    _check_quantizes(allocation, budget.Goal.of(settings))
     return m, allocation
 
 
@@ -83,7 +82,7 @@ def quantize_auto(
     options)."""
     output_rules.check_output_dir(output_dir, overwrite, model_path)
     m, allocation = plan_auto(model_path, settings, cache_dir, progress)
-    goal = Goal.of(settings)
+    goal = budget.Goal.of(settings)
     c, measured = 1.0, {"increase": math.inf}
     scorer = _HeldOut(model_path)
     attempts: list[dict[str, Any]] = []
@@ -92,9 +91,9 @@ def quantize_auto(
             folder = stage / f".attempt-{attempt}"
             quantize(gptq_settings(settings, m.units, allocation), folder)
             measured = scorer.measure(folder, with_kl=goal is not None and goal.metric == "kl")
-            attempts.append(_attempt_record(allocation, m.units, c, measured))
+            attempts.append(_attempt_record(allocation, m.units, c, goal, measured))
             logger.warning(
-                "auto attempt %d: %s", attempt, _summary(allocation, m.units, c, measured)
+                "auto attempt %d: %s", attempt, _summary(allocation, m.units, c, goal, measured)
             )
             if goal is None or goal.met(measured):
                 record = _record(settings, m, allocation, c, measured, attempts, scorer)
@@ -115,53 +114,7 @@ def quantize_auto(
         )
 
 
-@dataclasses.dataclass(frozen=True)
-class Goal:
-    """A quality budget on held-out text: a perplexity increase (`ppl`, 0.01 = +1%) or a mean
-    KL per token (`kl`, nats). The prediction is c * (summed unit KLs): for `ppl` through
-    exp(.) - 1, for `kl` directly; c starts at 1 and is re-fitted to what was measured."""
-
-    metric: str
-    limit: float
-
-    @classmethod
-    def of(cls, settings: QuantizeSettings) -> Goal | None:
-        """The settings' quality budget; None for a size budget (--target-bits)."""
-        if settings.max_kl is not None:
-            return cls("kl", settings.max_kl)
-        if settings.max_increase is not None:
-            return cls("ppl", settings.max_increase)
-        return None
-
-    @property
-    def param(self) -> str:
-        return "max_kl" if self.metric == "kl" else "max_ppl_increase"
-
-    def max_error(self, c: float) -> float:
-        """The summed unit error whose prediction is the limit."""
-        if self.metric == "kl":
-            return self.limit / c
-        return budget.error_budget(self.limit, c)
-
-    def value(self, measured: Mapping[str, float]) -> float:
-        return measured["kl" if self.metric == "kl" else "increase"]
-
-    def met(self, measured: Mapping[str, float]) -> bool:
-        return self.value(measured) <= self.limit
-
-    def refit(self, measured: Mapping[str, float], error: float) -> float:
-        """c that would have predicted the measurement, raised by SAFETY."""
-        value = self.value(measured)
-        scaled = value if self.metric == "kl" else math.log1p(value)
-        return SAFETY * scaled / max(error, 1e-12)
-
-    def describe(self, value: float) -> str:
-        if self.metric == "kl":
-            return f"KL {value:.4g} nats/token"
-        return f"+{100 * value:.3g}% perplexity"
-
-
-def _check_quantizes(allocation: Allocation, goal: Goal | None) -> None:
+def _check_quantizes(allocation: Allocation, goal: budget.budget.Goal | None) -> None:
     """A budget only 16-bit everywhere meets is said so, not written as a "quantized" copy."""
     if goal is not None and all(s.dense for s in allocation.schemes.values()):
         raise QServeError(
@@ -182,14 +135,14 @@ def allocate(m: Measurement, settings: QuantizeSettings, c: float = 1.0) -> Allo
                 "can take", "target_bits",
             )  # fmt: skip
         return found
-    goal = Goal.of(settings)
+    goal = budget.Goal.of(settings)
     assert goal is not None
     found = budget.min_bytes(m.units, m.errors, goal.max_error(c))
     assert found is not None  # all 16-bit has error 0: always within budget
     return found
 
 
-def _upgrade(m: Measurement, goal: Goal, c: float, last: Allocation) -> Allocation:
+def _upgrade(m: Measurement, goal: budget.Goal, c: float, last: Allocation) -> Allocation:
     """Re-solved under the re-fitted `c`, no unit below its last scheme; when that changes
     nothing, the unit of largest predicted error moves up one scheme."""
     max_error = goal.max_error(c)
@@ -261,9 +214,9 @@ class _HeldOut:
 def _heldout_ids(folder: Path) -> tuple[list[int], list[int], int]:
     """(held-out token ids, the tokens a text starts with, window) for the model at `folder`."""
     from qserve.data import heldout_text
-    from qserve.eval import text_prefix
     from qserve.model.config import ModelConfig
     from qserve.model.loader import load_tokenizer
+    from qserve.quantize.calibration import text_prefix
 
     tokenizer = load_tokenizer(folder)
     ids = tokenizer.encode(heldout_text(), add_special_tokens=False)
@@ -306,7 +259,7 @@ def format_allocation(m: Measurement, allocation: Allocation, c: float = 1.0) ->
     for unit, errors in zip(m.units, m.errors):
         s = allocation.schemes[unit.name]
         lines.append(f"{unit.name:<{width}}  {s.name:>6}  {unit.bytes(s):>10}  {errors[s]:>12.3e}")
-    lines.append(_summary(allocation, m.units, c))
+    lines.append(_summary(allocation, m.units, c, None))  # c = 1 predicts both metrics
     return "\n".join(lines)
 
 
@@ -314,12 +267,13 @@ def _summary(
     allocation: Allocation,
     units: list[Unit],
     c: float,
+    goal: budget.budget.Goal | None,
     measured: Mapping[str, float] | None = None,
 ) -> str:
     bpw = allocation.bits_per_weight(units)
-    predicted = 100 * budget.predicted_increase(allocation.error, c)
+    predicted = budget.predicted(allocation.error, c, goal)
     text = f"{allocation.bytes / 2**20:.2f} MiB of linears ({bpw:.3f} bits/weight), "
-    text += f"predicted perplexity {predicted:+.3f}%, KL {c * allocation.error:.4g}"
+    text += f"predicted perplexity {100 * predicted['increase']:+.3f}%, KL {predicted['kl']:.4g}"
     if measured is None:
         return text
     text += f"; measured perplexity {100 * measured['increase']:+.3f}%"
@@ -327,13 +281,18 @@ def _summary(
 
 
 def _attempt_record(
-    allocation: Allocation, units: list[Unit], c: float, measured: Mapping[str, float]
+    allocation: Allocation,
+    units: list[Unit],
+    c: float,
+    goal: budget.budget.Goal | None,
+    measured: Mapping[str, float],
 ) -> dict[str, Any]:
+    predicted = budget.predicted(allocation.error, c, goal)
     return {
         "bytes": allocation.bytes,
         "bits_per_weight": allocation.bits_per_weight(units),
-        "predicted_increase": budget.predicted_increase(allocation.error, c),
-        "predicted_kl": c * allocation.error,
+        "predicted_increase": predicted["increase"],
+        "predicted_kl": predicted["kl"],
         "measured_increase": measured["increase"],
         "measured_kl": measured.get("kl"),
         "c": c,
@@ -349,7 +308,7 @@ def _record(
     attempts: list[dict[str, Any]],
     scorer: _HeldOut,
 ) -> dict[str, Any]:
-    goal = Goal.of(settings)
+    goal = budget.Goal.of(settings)
     return {
         "budget": {
             "max_ppl_increase": settings.max_increase,
@@ -363,8 +322,8 @@ def _record(
             "base_perplexity": scorer.base,
             **measured,
         },
-        "predicted_increase": budget.predicted_increase(allocation.error, c),
-        "predicted_kl": c * allocation.error,
+        "predicted_increase": budget.predicted(allocation.error, c, goal)["increase"],
+        "predicted_kl": budget.predicted(allocation.error, c, goal)["kl"],
         "attempts": attempts,
         "measurement": {"tokens": m.tokens, "seconds": m.seconds, "additivity": m.additivity},
         "allocation": [

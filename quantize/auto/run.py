@@ -114,7 +114,7 @@ def quantize_auto(
         )
 
 
-def _check_quantizes(allocation: Allocation, goal: budget.budget.Goal | None) -> None:
+def _check_quantizes(allocation: Allocation, goal: budget.Goal | None) -> None:
     """A budget only 16-bit everywhere meets is said so, not written as a "quantized" copy."""
     if goal is not None and all(s.dense for s in allocation.schemes.values()):
         raise QServeError(
@@ -267,7 +267,7 @@ def _summary(
     allocation: Allocation,
     units: list[Unit],
     c: float,
-    goal: budget.budget.Goal | None,
+    goal: budget.Goal | None,
     measured: Mapping[str, float] | None = None,
 ) -> str:
     bpw = allocation.bits_per_weight(units)
@@ -284,7 +284,7 @@ def _attempt_record(
     allocation: Allocation,
     units: list[Unit],
     c: float,
-    goal: budget.budget.Goal | None,
+    goal: budget.Goal | None,
     measured: Mapping[str, float],
 ) -> dict[str, Any]:
     predicted = budget.predicted(allocation.error, c, goal)

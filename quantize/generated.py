@@ -48,11 +48,11 @@ def generated_ids(
     """[num_samples, seq_len] token ids sampled from the model at `model_path` (float, through
     the engine), from `cache_dir` when there (None: `generated_cache_dir()`). Each sequence
     starts as the tokenizer starts a text (Gemma's <bos>), then a random token."""
-    cache_dir = generated_cache_dir() if cache_dir is None else cache_dir
     from transformers import AutoTokenizer
 
     from qserve.quantize.calibration import text_prefix  # (calibration imports this module)
 
+    cache_dir = generated_cache_dir() if cache_dir is None else cache_dir
     prefix = text_prefix(AutoTokenizer.from_pretrained(model_path))
     path = cache_dir / f"{_key(model_path, num_samples, seq_len, prefix)}.pt"
     if path.is_file():

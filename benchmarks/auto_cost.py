@@ -1,0 +1,84 @@
+"""What `--method auto`'s measurement pass costs beside GPTQ quantizations (issue 21's target: at
+most 3x one GPTQ quantization), in one process.
+
+    python benchmarks/auto_cost.py [--model smollm2-135m] [--num-samples 128 32] [--seq-len 512]
+        [--num-threads 2] [--output benchmarks/results/auto_cost.json]
+
+Times, one after the other: the measurement pass from a cold cache (qserve's defaults: 4
+windows of --seq-len tokens, `generated` calibration), then one GPTQ quantization per
+--num-samples (128: qserve's default; 32: what `benchmarks/autoquant.py` uses). The generated
+calibration text is sampled by whichever run first needs a given count (cached after), so each
+time includes its own sampling unless an earlier run on this machine cached it. Prints a table
+and writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.results_file import run_arguments, write_results  # noqa: E402
+from qserve.model.resolve import resolve_model  # noqa: E402
+
+DEFAULT_OUTPUT = Path(__file__).resolve().parent / "results" / "auto_cost.json"
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    from qserve.quantize.auto.measure import measure
+    from qserve.quantize.driver import quantize_model
+    from qserve.quantize.settings import QuantizeSettings
+
+    torch.set_num_threads(args.num_threads)
+    model = resolve_model(args.model)
+    seconds: dict[str, float] = {}
+    with tempfile.TemporaryDirectory(prefix="qserve-auto-cost-") as tmp:
+        start = time.monotonic()
+        auto = QuantizeSettings(method="auto", max_ppl_increase="1%", seq_len=args.seq_len)
+        measure(model, auto, Path(tmp) / "cache")  # a fresh cache: measured, not read back
+        seconds["measurement pass"] = time.monotonic() - start
+        for n in args.num_samples:
+            name = f"GPTQ, {n} x {args.seq_len}"
+            settings = QuantizeSettings(num_samples=n, seq_len=args.seq_len)
+            start = time.monotonic()
+            quantize_model(model, Path(tmp) / f"gptq-{len(seconds)}", settings)
+            seconds[name] = time.monotonic() - start
+    return {"model": args.model, "settings": run_arguments(args), "seconds": seconds}
+
+
+def format_table(summary: dict[str, Any]) -> str:
+    s = summary["seconds"]
+    measure = s["measurement pass"]
+    lines = [f"{'run':<30}{'seconds':>9}{'pass / run':>12}"]
+    lines += [f"{name:<30}{t:>9.0f}{measure / t:>12.2f}" for name, t in s.items()]
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--num-threads", type=int, default=2)
+    p.add_argument("--num-samples", type=int, nargs="+", default=[128, 32], help="GPTQ windows")
+    p.add_argument("--seq-len", type=int, default=512, help="tokens per calibration window")
+    p.add_argument("--output", type=Path, default=DEFAULT_OUTPUT)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    summary = run(args)
+    write_results(args.output, summary)
+    print(format_table(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

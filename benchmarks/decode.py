@@ -12,8 +12,9 @@ engines prefilled, then stepped round robin), i.e. each sequence's time per toke
 
 The floor is the bytes one step must read divided by the read bandwidth measured in the same
 run (`read_bandwidth`: a sum over a 1 GiB buffer with the same threads): every tensor the
-loaded model holds, as its kernels hold them (repacked W4 codes, scales and zeros included),
-except the input embeddings unless lm_head reads them too (a step reads B of their rows).
+loaded model holds, as its kernels hold them (repacked W4 codes, scales and zeros included,
+`step_bytes`), except the input embeddings unless lm_head reads them too (a step reads B of
+their rows).
 transformers' bf16 `generate` at batch 1 runs beside them: (t(129) - t(1)) / 128 per token.
 Prints a table and writes JSON.
 """
@@ -21,6 +22,7 @@ Prints a table and writes JSON.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import statistics
 import sys
@@ -56,14 +58,32 @@ def read_bandwidth(num_threads: int, repeats: int = 7) -> float:
 
 
 def step_bytes(model: torch.nn.Module) -> int:
-    """Bytes of every tensor the model holds, less the input embeddings unless tied to lm_head."""
-    seen: dict[int, int] = {}
-    for t in [*model.parameters(), *model.buffers()]:
-        seen[t.data_ptr()] = t.numel() * t.element_size()
+    """Bytes of every tensor storage the model holds, less the input embeddings unless tied to
+    lm_head. Kernel paths keep repacked weights outside parameters and buffers (the C++ W4
+    layout as a `w4` attribute, torch's int4 / int8 packs in the closure that runs them): those
+    are found through module attributes, dataclass fields and closure cells, each storage once."""
+    storages: dict[int, int] = {}
+    for module in model.modules():
+        for t in _held_tensors([*module._parameters.values(), *module._buffers.values(),
+                                *vars(module).values()]):  # fmt: skip
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
     embed = model.model.embed_tokens.weight  # qserve's model code names it as transformers does
     head = getattr(getattr(model, "lm_head", None), "weight", None)
     tied = head is not None and head.data_ptr() == embed.data_ptr()
-    return sum(seen.values()) - (0 if tied else embed.numel() * embed.element_size())
+    return sum(storages.values()) - (0 if tied else embed.untyped_storage().nbytes())
+
+
+def _held_tensors(values: list[Any], depth: int = 2) -> list[torch.Tensor]:
+    """The tensors among `values`, in dataclasses among them, or in functions' closures."""
+    found = []
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            found.append(v)
+        elif depth and dataclasses.is_dataclass(v) and not isinstance(v, type):
+            found += _held_tensors([getattr(v, f.name) for f in dataclasses.fields(v)], depth - 1)
+        elif depth and callable(v) and getattr(v, "__closure__", None):
+            found += _held_tensors([c.cell_contents for c in v.__closure__], depth - 1)
+    return found
 
 
 def w4_checkpoints(model: Path, folder: Path) -> list[Path]:

@@ -152,7 +152,6 @@ def quantize_model(
     if scales is not None and Path(scales).is_dir():
         raise QServeError(f"scales file {scales} is a folder", param="scales")
     config = AutoConfig.from_pretrained(model_path)
-    _check_seq_len(settings, config)
     spec = arch_spec(config.model_type)
     settings = with_routers_ignored(settings, spec)
     skeleton = meta_model(config)
@@ -170,6 +169,7 @@ def quantize_model(
     replay = searched and scales is not None and Path(scales).is_file()
     input_ids = None
     if settings.needs_calibration(replay):  # before loading: `generated` runs the model itself
+        _check_seq_len(settings, config)
         input_ids = calibration_ids(
             model_path, tokenizer, settings.calib, settings.num_samples, settings.seq_len
         )
@@ -203,7 +203,7 @@ def quantize_model(
 def _check_seq_len(settings: QuantizeSettings, config: Any) -> None:
     """Calibration windows longer than the model's context are refused in one line."""
     context = getattr(config.get_text_config(), "max_position_embeddings", None)
-    if settings.needs_calibration() and context and settings.seq_len > context:
+    if context and settings.seq_len > context:
         raise QServeError(
             f"seq_len {settings.seq_len} is longer than the model's context ({context} "
             "tokens): calibration windows must fit in it", "seq_len",

@@ -37,7 +37,7 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import throughput  # noqa: E402
-from benchmarks.results_file import run_arguments, write_results  # noqa: E402
+from benchmarks.results_file import run_and_report, run_arguments  # noqa: E402
 from qserve.model.resolve import resolve_model  # noqa: E402
 
 DEFAULT_OUTPUT = Path(__file__).resolve().parent / "results" / "decode.json"
@@ -173,11 +173,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    summary = run(args)
-    write_results(args.output, summary)
-    print(format_table(summary))
-    return 0
+    return run_and_report(argv, parse_args, run, format_table)
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ import torch
 if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.results_file import run_arguments, write_results  # noqa: E402
+from benchmarks.results_file import run_and_report, run_arguments  # noqa: E402
 from qserve.model.resolve import resolve_model  # noqa: E402
 
 LINEARS = ("self_attn.o_proj", "mlp.gate_proj", "mlp.down_proj")
@@ -136,11 +136,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    summary = run(args)
-    write_results(args.output, summary)
-    print(format_table(summary))
-    return 0
+    return run_and_report(argv, parse_args, run, format_table)
 
 
 if __name__ == "__main__":

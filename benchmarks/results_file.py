@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -20,3 +21,17 @@ def run_arguments(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     return vars(args) | {"output": str(args.output), "cpu": torch.backends.cpu.get_cpu_capability()}
+
+
+def run_and_report(
+    argv: list[str] | None,
+    parse_args: Callable[[list[str] | None], argparse.Namespace],
+    run: Callable[[argparse.Namespace], dict[str, Any]],
+    format_table: Callable[[dict[str, Any]], str],
+) -> int:
+    """A benchmark's main: parse, run, write the JSON to --output, print the table."""
+    args = parse_args(argv)
+    summary = run(args)
+    write_results(args.output, summary)
+    print(format_table(summary))
+    return 0

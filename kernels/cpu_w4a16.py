@@ -15,6 +15,14 @@ Where the CPU has native bf16 matmuls (AMX, AVX-512 BF16) and x is bf16, batches
 `NATIVE_BF16_GEMM_MIN_ROWS` rows or more dequantize to bf16 instead and run torch's bf16 GEMM:
 the weight is then rounded to bf16 once more (2^-9 relative) before an fp32-accumulated product.
 
+16-bit x (bf16, fp16) at decode sizes goes through int8 on x86 CPUs with AVX2 (`int8_activations`),
+as llama.cpp runs its 4-bit formats: each group of x is rounded to int8 on a grid of max |x| / 127
+(`w4a16_ref.quantize_activations_ref`), and int8 dot products (AVX-512 VNNI / AVX-VNNI vpdpbusd,
+or AVX2 vpmaddubsw) take four 4-bit codes of 8 outputs per instruction: about 8x fewer
+instructions per weight than converting each code to fp32, so the loop reads the codes at memory
+speed. The rounding adds about 0.3% of an output's scale, below bf16's own rounding of x and y.
+fp32 x keeps the exact loop.
+
 Layout (`W4PackedCPU`): codes uint32 [N/8, K/8, 8], GPTQ's packing along K blocked over groups
 of 8 output channels; scales and scale * zero fp32 [N/8, G, 8]. Act-order GPTQ sorts the input
 channels by group (x is read through `perm`). Needs K and N multiples of 8 and groups of a
@@ -58,6 +66,8 @@ def load_library() -> ctypes.CDLL | None:
     symbols = {
         "qserve_w4_gemm": ([*_GEMM_ARGS, _i32], _i32),
         "qserve_w4_dequantize": (_DEQUANT_ARGS, _i32),
+        "qserve_w4a8_gemm": ([*_GEMM_ARGS, _i32], _i32),
+        "qserve_w4a8_supported": ([], _i32),
     }
     return cpu_build.build_library("cpu_w4a16", SOURCE, symbols, "CPU W4A16")
 
@@ -202,7 +212,9 @@ def w4_gemv_ctypes(
     N = w.codes.shape[0] * 8
     y = torch.empty(M, N, dtype=x.dtype)
     b = None if bias is None else bias.to(torch.float32).contiguous()
-    status = _library().qserve_w4_gemm(
+    lib = _library()
+    gemm = lib.qserve_w4a8_gemm if int8_activations(x.dtype) else lib.qserve_w4_gemm
+    status = gemm(
         x.data_ptr(), dtype_code, x.stride(0),
         None if w.perm is None else w.perm.data_ptr(),
         w.codes.data_ptr(), w.scales.data_ptr(), w.zs.data_ptr(),
@@ -211,6 +223,18 @@ def w4_gemv_ctypes(
     )  # fmt: skip
     _check(status, "w4_gemv")
     return y
+
+
+def int8_activations(dtype: torch.dtype) -> bool:
+    """Whether the C++ loop takes x of this dtype through int8 (16-bit x on x86 with AVX2:
+    `qserve_w4a8_gemm`); fp32 x, and other CPUs, keep the exact loop."""
+    return dtype != torch.float32 and _w4a8_supported()
+
+
+@functools.cache
+def _w4a8_supported() -> bool:
+    lib = load_library()
+    return lib is not None and bool(lib.qserve_w4a8_supported())
 
 
 def w4_dequantize_t(w: W4PackedCPU, dtype: torch.dtype = torch.float32) -> torch.Tensor:

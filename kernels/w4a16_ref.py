@@ -39,3 +39,16 @@ def awq_gemm_ref(
     """x [M, K] @ dequantized AWQ weight -> [M, N]."""
     w = dequantize_awq(qweight, qzeros, scales, group_size)  # [N, K]
     return linear_fp32(x, w, bias)
+
+
+def quantize_activations_ref(x: torch.Tensor, g_idx: torch.Tensor) -> torch.Tensor:
+    """x [M, K] rounded as the CPU W4 loop rounds 16-bit activations (`cpu_w4a16.
+    int8_activations`), returned in fp32: per row and group (g_idx [K], each channel's group),
+    round(x * (127 / max |x|)) * (max |x| / 127), all-zero groups staying zero."""
+    x = x.float()
+    M, K = x.shape
+    index = g_idx.long().expand(M, K)
+    amax = torch.zeros(M, int(g_idx.max()) + 1).scatter_reduce(1, index, x.abs(), "amax")
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    xi = torch.round(x * inv.gather(1, index))
+    return xi * (amax / 127.0).gather(1, index)

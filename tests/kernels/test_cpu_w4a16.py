@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from qserve.kernels import cpu_w4a16, packing
-from qserve.kernels.w4a16_ref import awq_gemm_ref, gptq_gemm_ref
+from qserve.kernels.w4a16_ref import awq_gemm_ref, gptq_gemm_ref, quantize_activations_ref
 from tests.kernels._helpers import require_built
 
 # max |out - ref| / max |ref|: fp32 differs from the reference in summation order only; bf16
@@ -42,6 +42,14 @@ def gptq_tensors(K: int, N: int, group: int, act_order: bool, sym: bool, seed: i
     return packing.pack_gptq_qweight(q, 4), packing.pack_gptq_qzeros(zeros, 4), scales, g_idx
 
 
+def as_the_loop_reads(x: torch.Tensor, g_idx: torch.Tensor) -> torch.Tensor:
+    """x as the C++ loop multiplies it: rounded to int8 per group where it takes 16-bit x
+    through int8 (`int8_activations`), else unchanged."""
+    if cpu_w4a16._gemv_rows(x) and cpu_w4a16.int8_activations(x.dtype):
+        return quantize_activations_ref(x, g_idx)
+    return x
+
+
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float((out.float() - ref.float()).abs().max() / ref.float().abs().max())
 
@@ -66,7 +74,8 @@ def test_gptq_matches_reference(K, N, group, act_order, sym, M, dtype):
     x = torch.randn(M, K).to(dtype)
     bias = torch.randn(N)
     out = cpu_w4a16.w4_mm(x, w, bias)
-    ref = gptq_gemm_ref(x, qweight, qzeros, scales.float(), g_idx, 4, bias)
+    ref = gptq_gemm_ref(as_the_loop_reads(x, g_idx), qweight, qzeros, scales.float(), g_idx, 4,
+                        bias)  # fmt: skip
     assert out.shape == (M, N) and out.dtype == dtype
     assert rel_err(out, ref) <= TOL[dtype]
 
@@ -83,7 +92,8 @@ def test_awq_matches_reference(K, N, group, M):
     w = cpu_w4a16.w4_from_awq(qweight, qzeros, scales, group)
     x = torch.randn(M, K, dtype=torch.bfloat16)
     out = cpu_w4a16.w4_mm(x, w)
-    ref = awq_gemm_ref(x, qweight, qzeros, scales.float(), group)
+    x_read = as_the_loop_reads(x, torch.arange(K) // gs)
+    ref = awq_gemm_ref(x_read, qweight, qzeros, scales.float(), group)
     assert rel_err(out, ref) <= TOL[torch.bfloat16]
 
 
@@ -151,10 +161,34 @@ def test_bf16_batches_take_a_bf16_gemm_where_it_is_native(monkeypatch, native: b
     w = cpu_w4a16.w4_from_gptq(qweight, qzeros, scales, g_idx)
     x, bias = torch.randn(M, 128).to(torch.bfloat16), torch.randn(48)
     out = cpu_w4a16.w4_mm(x, w, bias)
-    ref = gptq_gemm_ref(x, qweight, qzeros, scales.float(), g_idx, 4, bias)
+    ref = gptq_gemm_ref(as_the_loop_reads(x, g_idx), qweight, qzeros, scales.float(), g_idx, 4,
+                        bias)  # fmt: skip
     assert out.dtype == torch.bfloat16 and rel_err(out, ref) <= TOL[torch.bfloat16]
     gemm = M >= (cpu_w4a16.NATIVE_BF16_GEMM_MIN_ROWS if native else cpu_w4a16.GEMV_MAX_ROWS + 1)
     assert dtypes == ([torch.bfloat16 if native else torch.float32] if gemm else [])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("act_order", [False, True])
+def test_int8_activations_cost_little_against_exact_math(dtype, act_order):
+    """Where 16-bit x goes through int8, the result stays within 1% of the exact product's
+    scale (the rounding of x itself, not only of the output, is what the loop adds)."""
+    if not cpu_w4a16.int8_activations(dtype):
+        pytest.skip("this CPU keeps the exact loop for 16-bit x")
+    qweight, qzeros, scales, g_idx = gptq_tensors(512, 64, 128, act_order, False, seed=11)
+    w = cpu_w4a16.w4_from_gptq(qweight, qzeros, scales, g_idx)
+    x = torch.randn(4, 512).to(dtype)
+    exact = gptq_gemm_ref(x, qweight, qzeros, scales.float(), g_idx, 4)
+    out = cpu_w4a16.w4_mm(x, w)
+    assert rel_err(out, exact) <= 1e-2
+    assert rel_err(quantize_activations_ref(x, g_idx), x) <= 1 / 254 + 1e-6
+
+
+def test_int8_activations_keep_all_zero_groups_zero():
+    x = torch.zeros(2, 64)
+    x[1, 32:] = torch.linspace(-1, 1, 32)
+    out = quantize_activations_ref(x, torch.arange(64) // 32)
+    assert torch.equal(out[:, :32], torch.zeros(2, 32)) and torch.equal(out[0], torch.zeros(64))
 
 
 def test_concat_refuses_different_groups():

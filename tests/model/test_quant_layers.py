@@ -14,6 +14,7 @@ from qserve.errors import QServeError
 from qserve.kernels import cpu_w4a16, packing
 from qserve.kernels.fp8_ref import quantize_weight_fp8_ref, scaled_fp8_quant_ref
 from qserve.kernels.int8_ref import scaled_int8_quant_ref
+from qserve.kernels.w4a16_ref import quantize_activations_ref
 from qserve.model.quant import AWQLinear, GPTQLinear, QuantLinear, W8Linear
 from qserve.model.quant_config import LinearScheme
 
@@ -161,8 +162,18 @@ def test_gptq_paths_without_cpp(N, K, bits, group, act_order, dtype, path, torch
 )
 def test_gptq_4bit_paths_with_cpp(N, K, group, act_order, dtype, path):
     layer, ref, bias = gptq_layer(N, K, 4, group, act_order, bias=True)
+    g_idx = layer.g_idx.clone()
     assert layer.prepare(dtype) == path
-    run(layer, ref, dtype, bias)
+    x_fn = w4_loop_activations(g_idx, dtype) if path == "cpu-w4a16" else None
+    run(layer, ref, dtype, bias, x_fn=x_fn)
+
+
+def w4_loop_activations(g_idx: torch.Tensor, dtype: torch.dtype):
+    """x as the C++ W4 loop multiplies it (16-bit x rounded to int8 per group where it takes
+    them through int8), for `run`'s reference."""
+    if not cpu_w4a16.int8_activations(dtype):
+        return None
+    return lambda x: quantize_activations_ref(x, g_idx)
 
 
 @needs_cpp
@@ -173,7 +184,8 @@ def test_gptq_4bit_paths_with_cpp(N, K, group, act_order, dtype, path):
 def test_awq_paths_with_cpp(N, K, group, dtype):
     layer, ref = awq_layer(N, K, group)
     assert layer.prepare(dtype) == "cpu-w4a16"
-    run(layer, ref, dtype)
+    groups = torch.arange(K) // (K if group == -1 else group)
+    run(layer, ref, dtype, x_fn=w4_loop_activations(groups, dtype))
 
 
 def test_gptq_8bit_symmetric_per_channel_runs_on_the_int8_kernel():

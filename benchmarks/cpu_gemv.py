@@ -6,7 +6,8 @@
 For each layer K x N (input x output features) and each batch of M rows: the median time of
 `cpu_w4a16.w4_mm` (groups of `--group-size`, 64 where that does not divide K) with fp32 x (the
 exact loop, codes converted to fp32) and with bf16 x (codes against int8 activations,
-`int8_activations`), and torch's dense `x @ W.T` in bf16 and fp32 beside them. Each is read as
+`int8_activations`), and dense bf16 and fp32: torch's `x @ W.T`, and qserve's `ops.linear`
+(the C++ bf16 GEMV up to `cpu_dense.GEMV_MAX_ROWS` rows, torch above). Each is read as
 weight GB/s (the bytes its weight holds: codes, scales and zeros for W4) and as a fraction of
 the read bandwidth measured in the same run (`decode.read_bandwidth`). Calls cycle through
 copies of the weight totalling at least `--footprint-mb`, so every call reads its weight from
@@ -31,7 +32,7 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
 
 from benchmarks.decode import read_bandwidth  # noqa: E402
 from benchmarks.results_file import run_and_report, run_arguments  # noqa: E402
-from qserve.kernels import cpu_w4a16  # noqa: E402
+from qserve.kernels import cpu_w4a16, ops  # noqa: E402
 
 DEFAULT_OUTPUT = Path(__file__).resolve().parent / "results" / "cpu_gemv.json"
 
@@ -83,6 +84,7 @@ def shape_rows(K: int, N: int, rows: list[int], args: argparse.Namespace, bw: fl
             ("w4 fp32 x (exact loop)", w4, lambda w, x=x: cpu_w4a16.w4_mm(x, w)),
             (f"w4 bf16 x ({loop} loop)", w4, lambda w, x=xb: cpu_w4a16.w4_mm(x, w)),
             ("dense bf16 (torch)", dense[torch.bfloat16], lambda w, x=xb: x @ w.T),
+            ("dense bf16 (ops.linear)", dense[torch.bfloat16], lambda w, x=xb: ops.linear(x, w)),
             ("dense fp32 (torch)", dense[torch.float32], lambda w, x=x: x @ w.T),
         ]
         for label, weights, call in cases:

@@ -38,13 +38,13 @@ from dataclasses import dataclass
 import torch
 
 from qserve.kernels import cpu_build, custom_ops
-from qserve.kernels.cpu_dense import native_half_matmul
 from qserve.kernels.packing import (
     unpack_awq_qweight,
     unpack_awq_qzeros,
     unpack_gptq_qweight,
     unpack_gptq_qzeros,
 )
+from qserve.platform import native_half_matmul
 
 SOURCE = cpu_build.CSRC / "w4a16_cpu.cpp"
 GEMV_MAX_ROWS = 32  # larger M: dequantize + fp32 GEMM, faster there on an AVX2 EPYC

@@ -27,13 +27,14 @@ everything else. Importing this module registers the schemas only; nothing compi
     silu_and_mul(x) -> out
     w4a16_gemm(x, codes, scales, zs, perm, bias, group_size) -> out     (`cpu_w4a16` layout)
     w4a16_dequantize(codes, scales, zs, group_size, dtype) -> W.T
+    bf16_gemv(x, weight, bias) -> out                                   (`cpu_dense`)
 """
 
 from __future__ import annotations
 
 import torch
 
-from qserve.kernels import cpu_model_ops, cpu_paged_attention, cpu_w4a16
+from qserve.kernels import cpu_dense, cpu_model_ops, cpu_paged_attention, cpu_w4a16
 
 NAMESPACE = "qserve"
 _LIB = torch.library.Library(NAMESPACE, "DEF")
@@ -61,6 +62,7 @@ SCHEMAS = {
         "w4a16_gemm(Tensor x, Tensor codes, Tensor scales, Tensor zs, Tensor? perm, "
         "Tensor? bias, int group_size) -> Tensor"
     ),
+    "bf16_gemv": "bf16_gemv(Tensor x, Tensor weight, Tensor? bias) -> Tensor",
     "w4a16_dequantize": (
         "w4a16_dequantize(Tensor codes, Tensor scales, Tensor zs, int group_size, "
         "ScalarType dtype) -> Tensor"
@@ -234,6 +236,21 @@ def _w4a16_dequantize_fake(
     return codes.new_empty(codes.shape[1] * 8, codes.shape[0] * 8, dtype=dtype)
 
 
+# ------------------------------------------------------------------------------ bf16 GEMV
+
+
+def _bf16_gemv_cpu(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    return cpu_dense.bf16_gemv_ctypes(x, weight, bias)
+
+
+def _bf16_gemv_fake(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    return x.new_empty(x.shape[0], weight.shape[0])
+
+
 _register("rms_norm", _rms_norm_cpu, _rms_norm_fake)
 _register("fused_add_rms_norm", _fused_add_rms_norm_cpu, _fused_add_rms_norm_fake)
 _register("rope_neox", _rope_neox_cpu, _rope_neox_fake)
@@ -242,6 +259,7 @@ _register("paged_attention", _paged_attention_cpu, _paged_attention_fake)
 _register("silu_and_mul", _silu_and_mul_cpu, _silu_and_mul_fake)
 _register("w4a16_gemm", _w4a16_gemm_cpu, _w4a16_gemm_fake)
 _register("w4a16_dequantize", _w4a16_dequantize_cpu, _w4a16_dequantize_fake)
+_register("bf16_gemv", _bf16_gemv_cpu, _bf16_gemv_fake)
 
 
 def _compiled_or_direct(op: torch._ops.OpOverload, impl):  # noqa: ANN001, ANN202
@@ -269,3 +287,4 @@ paged_attention = _compiled_or_direct(_ops.paged_attention.default, _paged_atten
 silu_and_mul = _compiled_or_direct(_ops.silu_and_mul.default, _silu_and_mul_cpu)
 w4a16_gemm = _compiled_or_direct(_ops.w4a16_gemm.default, _w4a16_gemm_cpu)
 w4a16_dequantize = _compiled_or_direct(_ops.w4a16_dequantize.default, _w4a16_dequantize_cpu)
+bf16_gemv = _compiled_or_direct(_ops.bf16_gemv.default, _bf16_gemv_cpu)

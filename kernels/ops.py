@@ -152,8 +152,11 @@ def paged_attention(
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, except 16-bit batches on CPUs without native 16-bit matmul, which accumulate
-    in fp32 with the weight upcast a chunk at a time (`cpu_dense`: several times faster)."""
+    """F.linear, except on CPU: bf16 decode rows take the C++ GEMV, and 16-bit batches on CPUs
+    without native 16-bit matmul accumulate in fp32 with the weight upcast a chunk at a time
+    (`cpu_dense`: several times faster)."""
+    if cpu_dense.use_gemv(x, weight):
+        return cpu_dense.bf16_gemv(x, weight, bias)
     if cpu_dense.use_upcast(x):
         return cpu_dense.upcast_linear(x, weight, bias)
     return F.linear(x, weight, bias)

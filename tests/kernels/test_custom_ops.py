@@ -10,7 +10,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from qserve.kernels import cpu_build, cpu_model_ops, cpu_paged_attention, cpu_w4a16, custom_ops, ops
+from qserve.kernels import (
+    cpu_build,
+    cpu_dense,
+    cpu_model_ops,
+    cpu_paged_attention,
+    cpu_w4a16,
+    custom_ops,
+    ops,
+)
 from tests.kernels._helpers import require_built
 
 DTYPES = [torch.float32, torch.bfloat16]
@@ -90,6 +98,13 @@ def test_opcheck_cache_write_and_attention(cache_dtype):
     for window in (None, 4):
         args = (query, kv_cache, *meta, D**-0.5, k_scale, v_scale, window)
         opcheck(custom_ops.paged_attention, args, schema=not fp8)
+
+
+def test_opcheck_bf16_gemv():
+    require_built(cpu_dense.load_library(), "CPU bf16 GEMV")
+    x, weight = rand(2, 64, dtype=torch.bfloat16), rand(12, 64, dtype=torch.bfloat16)
+    opcheck(custom_ops.bf16_gemv, (x, weight, rand(12)))
+    opcheck(custom_ops.bf16_gemv, (x.requires_grad_(True), weight, None))
 
 
 def test_opcheck_w4a16():

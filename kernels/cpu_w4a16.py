@@ -11,7 +11,8 @@ Decode-sized batches (M <= `GEMV_MAX_ROWS`) run the C++ loop, which dequantizes 
 registers and reads 4 bits per weight; larger M dequantizes the weight to fp32 once per call
 (in C++) and runs torch's fp32 GEMM, which is faster than any loop here once the weight is
 reused across many rows (on AVX2 CPUs an fp32 GEMM is also 4-5x faster than a bf16 one).
-Where the CPU has native bf16 matmuls (AMX, AVX-512 BF16) and x is bf16, batches of
+Where the CPU has native bf16 matmuls (AMX, AVX-512 BF16) and x is bf16 (and does not go
+through int8, below, which runs the loop up to `INT8_LOOP_MAX_ROWS`), batches of
 `NATIVE_BF16_GEMM_MIN_ROWS` rows or more dequantize to bf16 instead and run torch's bf16 GEMM:
 the weight is then rounded to bf16 once more (2^-9 relative) before an fp32-accumulated product.
 
@@ -50,6 +51,9 @@ SOURCE = cpu_build.CSRC / "w4a16_cpu.cpp"
 GEMV_MAX_ROWS = 32  # larger M: dequantize + fp32 GEMM, faster there on an AVX2 EPYC
 # bf16 x on a CPU with native bf16 matmuls (AMX): dequantize to bf16 + bf16 GEMM from this M on
 NATIVE_BF16_GEMM_MIN_ROWS = 16  # measured on a 2-core AMX Xeon: 1.2-1.5x at 16, ~2x at 32+
+# 16-bit x through int8 (`int8_activations`): the loop up to this M, 3-6x faster than the bf16
+# dequantize + GEMM at 16-64 rows on SmolLM2's and 2048x8192 shapes (2-core AMX Xeon)
+INT8_LOOP_MAX_ROWS = 64
 DEQUANT_CHUNK_BYTES = 2 << 20  # fp32 weight dequantized at a time for the GEMM
 X_DTYPES = cpu_build.DTYPE_CODES
 STATUS = {1: "unsupported dtype", 2: "K, N and group size must be multiples of 8"}
@@ -228,11 +232,17 @@ def w4_gemv_ctypes(
 def int8_activations(dtype: torch.dtype) -> bool:
     """Whether the C++ loop takes x of this dtype through int8 (16-bit x on x86 with AVX2:
     `qserve_w4a8_gemm`); fp32 x, and other CPUs, keep the exact loop."""
-    return dtype != torch.float32 and _w4a8_supported()
+    return dtype != torch.float32 and _w4a8_ready()
+
+
+@cpu_build.constant_while_tracing
+def _w4a8_ready() -> bool:
+    """Enabled and built with the int8 loop (a constant while torch.compile traces)."""
+    return cpu_build.enabled() and _w4a8_built()
 
 
 @functools.cache
-def _w4a8_supported() -> bool:
+def _w4a8_built() -> bool:
     lib = load_library()
     return lib is not None and bool(lib.qserve_w4a8_supported())
 
@@ -287,8 +297,14 @@ def _native_half() -> bool:
 
 
 def _gemv_rows(x: torch.Tensor) -> bool:
-    """Whether the C++ loop takes x's rows (fewer on CPUs where a bf16 GEMM is native)."""
-    limit = NATIVE_BF16_GEMM_MIN_ROWS - 1 if _native_bf16(x) else GEMV_MAX_ROWS
+    """Whether the C++ loop takes x's rows: up to INT8_LOOP_MAX_ROWS through int8, else fewer
+    on CPUs where a bf16 GEMM is native."""
+    if int8_activations(x.dtype):
+        limit = INT8_LOOP_MAX_ROWS
+    elif _native_bf16(x):
+        limit = NATIVE_BF16_GEMM_MIN_ROWS - 1
+    else:
+        limit = GEMV_MAX_ROWS
     return x.shape[0] <= limit
 
 

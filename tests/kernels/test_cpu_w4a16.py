@@ -1,9 +1,10 @@
 """The C++ CPU W4A16 kernel (qserve.kernels.cpu_w4a16) against the torch references.
 
 Fresh random codes, zero points and scales (never zeros) in the GPTQ and AWQ layouts; the
-references dequantize in fp32 and multiply densely (`w4a16_ref`). Rows M cover the register
-loop (1, 3, 17: single row, several row tiles and a remainder) and the dequantize-then-GEMM path
-(64 > GEMV_MAX_ROWS); N covers 1 to 5 blocks of 8 outputs (every tail of the 4-block tile).
+references dequantize in fp32 and multiply densely (`w4a16_ref`), on x rounded to int8 where
+the loop takes 16-bit x so. Rows M cover the register loop (1, 3, 17: single row, several row
+tiles and a remainder), 64 (the int8 loop's last, else the dequantize-then-GEMM path) and 70
+(that path everywhere); N covers 1 to 5 blocks of 8 outputs (every tail of the 4-block tile).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from tests.kernels._helpers import require_built
 # max |out - ref| / max |ref|: fp32 differs from the reference in summation order only; bf16
 # and fp16 round the output (and bf16 the input, the same for both sides) to 8 / 11 bits.
 TOL = {torch.float32: 2e-6, torch.bfloat16: 8e-3, torch.float16: 1e-3}
-ROWS = [1, 3, 17, 64]
+ROWS = [1, 3, 17, 64, 70]
 
 
 @pytest.fixture(autouse=True)
@@ -148,8 +149,10 @@ def test_bf16_dequantize_rounds_as_torch():
 @pytest.mark.parametrize("M", [15, 16, 40])
 def test_bf16_batches_take_a_bf16_gemm_where_it_is_native(monkeypatch, native: bool, M: int):
     """With native bf16 matmuls, bf16 batches of NATIVE_BF16_GEMM_MIN_ROWS rows or more
-    dequantize to bf16 (elsewhere: the C++ loop up to GEMV_MAX_ROWS, then fp32)."""
+    dequantize to bf16 (elsewhere: the C++ loop up to GEMV_MAX_ROWS, then fp32), where 16-bit
+    x does not go through int8."""
     monkeypatch.setattr(cpu_w4a16, "native_half_matmul", lambda: native)
+    monkeypatch.setattr(cpu_w4a16, "int8_activations", lambda dtype: False)
     dtypes = []
     dequantize = cpu_w4a16.w4_dequantize_t
     monkeypatch.setattr(
@@ -189,6 +192,26 @@ def test_int8_activations_keep_all_zero_groups_zero():
     x[1, 32:] = torch.linspace(-1, 1, 32)
     out = quantize_activations_ref(x, torch.arange(64) // 32)
     assert torch.equal(out[:, :32], torch.zeros(2, 32)) and torch.equal(out[0], torch.zeros(64))
+
+
+@pytest.mark.parametrize("M", [16, 64, 65])
+def test_int8_activations_run_the_loop_up_to_its_row_limit(monkeypatch, M: int):
+    if not cpu_w4a16.int8_activations(torch.bfloat16):
+        pytest.skip("this CPU keeps the exact loop for 16-bit x")
+    dtypes = []
+    dequantize = cpu_w4a16.w4_dequantize_t
+    monkeypatch.setattr(
+        cpu_w4a16,
+        "w4_dequantize_t",
+        lambda w, d=torch.float32: dtypes.append(d) or dequantize(w, d),
+    )
+    qweight, qzeros, scales, g_idx = gptq_tensors(128, 48, 32, True, False, seed=M)
+    w = cpu_w4a16.w4_from_gptq(qweight, qzeros, scales, g_idx)
+    x = torch.randn(M, 128).to(torch.bfloat16)
+    out = cpu_w4a16.w4_mm(x, w)
+    ref = gptq_gemm_ref(as_the_loop_reads(x, g_idx), qweight, qzeros, scales.float(), g_idx, 4)
+    assert rel_err(out, ref) <= TOL[torch.bfloat16]
+    assert (dtypes == []) == (M <= cpu_w4a16.INT8_LOOP_MAX_ROWS)
 
 
 def test_concat_refuses_different_groups():

@@ -12,7 +12,7 @@ import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -32,6 +32,9 @@ from qserve.model.moe_fused import prepare_moe_blocks
 from qserve.model.quant import keeps_stored_dtype, prepare_quant_linears, swap_quant_linears
 from qserve.model.rotary import RotaryEmbedding
 from qserve.quantize.export import PROVENANCE_FILE
+
+if TYPE_CHECKING:  # qserve.parallel builds on the model code, not the reverse
+    from qserve.parallel.tensor_parallel import TPRank
 
 logger = logging.getLogger("qserve")
 
@@ -62,18 +65,24 @@ class LoadReport:
 
 
 def load_model(
-    path: Path, dtype: torch.dtype, device: str = "cpu"
+    path: Path, dtype: torch.dtype, device: str = "cpu", tp: TPRank | None = None
 ) -> tuple[LlamaForCausalLM, ModelConfig]:
     """Build the model of `path/config.json` and fill it from the folder's safetensors.
 
     Quantized checkpoints: the linears the scheme names are swapped for `QuantLinear`s before
     the tensors are assigned, then repacked once for their kernel. The choices are left in
-    `model.load_report` (a LoadReport)."""
+    `model.load_report` (a LoadReport). With `tp`, rank tp.rank's share of the model
+    (`qserve.parallel.tensor_parallel`); the config returned is that rank's."""
     path = Path(path)
     config = ModelConfig.from_pretrained(path)
+    if tp is not None:
+        config = tp.rank_config(config)
     with torch.device("meta"):
         model = model_class(config)(config)
     stored = read_state_dict(path, dtype, device)
+    if tp is not None:
+        stored = tp.shard_state(stored)
+        tp.add_all_reduce(model)
     renames = checkpoint_renames(stored, config)
     checkpoint_name = checkpoint_namer(renames)
     state = moe_checkpoint_tensors(stored, config, renames)

@@ -1,0 +1,129 @@
+"""Tensor-parallel model ranks (issue 24, second part): what rank r of `world` builds and loads.
+
+Megatron's split, as vLLM lays it out: each rank runs its share of the attention heads (q/k/v
+column-parallel, so a rank's heads are whole) and of the MLP width (gate/up column-parallel), and
+the row-parallel o_proj and down_proj each give a partial sum that an all-reduce over the
+group completes (`add_all_reduce`). Embeddings, norms and lm_head are replicated, so every rank
+ends a step with the whole hidden state and the whole logits.
+
+    config = rank_config(ModelConfig.from_pretrained(path), tp)  # heads, KV heads, MLP / world
+    state = shard_state(checkpoint_state, tp)  # `shard.column_shard` / `row_shard`
+    add_all_reduce(model, tp)  # after o_proj and down_proj
+
+`loader.load_model(..., tp=TPRank(rank, world))` does all three. Dense checkpoints of the
+Llama family with separate q/k/v and gate/up modules only, and a world that divides the KV heads;
+what is not there yet is refused in one line: quantized checkpoints (the shard functions exist,
+the loader does not take them yet), KV heads replicated across ranks, Phi-3's fused modules,
+mixtures of experts, vocab-parallel embeddings. Not wired into the engine yet: no worker
+processes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+from torch import nn
+
+from qserve.errors import QServeError
+from qserve.model.config import ModelConfig
+from qserve.parallel.shard import column_shard, row_shard
+
+__all__ = ["COLUMN", "ROW", "TPRank", "add_all_reduce", "rank_config", "shard_state"]
+
+COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+ROW = ("o_proj", "down_proj")
+
+
+@dataclasses.dataclass(frozen=True)
+class TPRank:
+    """This process's place in a tensor-parallel group: rank `rank` of `world`, all-reducing
+    over `group` (a torch.distributed ProcessGroup; None: the default group)."""
+
+    rank: int
+    world: int
+    group: Any = None
+
+    def __post_init__(self) -> None:
+        if self.world < 1 or not 0 <= self.rank < self.world:
+            raise QServeError(f"tensor-parallel rank {self.rank} outside a world of {self.world}")
+
+    # what `loader.load_model(..., tp=...)` calls (the model code does not import this package)
+    def rank_config(self, config: ModelConfig) -> ModelConfig:
+        return rank_config(config, self)
+
+    def shard_state(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return shard_state(state, self)
+
+    def add_all_reduce(self, model: nn.Module) -> int:
+        return add_all_reduce(model, self)
+
+
+def rank_config(config: ModelConfig, tp: TPRank) -> ModelConfig:
+    """The model config of one rank: its share of the attention heads, KV heads and MLP width.
+    A QServeError names what does not split (vLLM refuses the same)."""
+    w = tp.world
+    if config.quantization is not None:
+        raise QServeError("tensor parallelism takes dense checkpoints only so far")
+    if config.family != "llama":
+        raise QServeError(f"tensor parallelism does not take {config.architecture} yet")
+    if config.num_experts:
+        raise QServeError("tensor parallelism does not take mixture-of-experts models yet")
+    if config.fused_projections:
+        raise QServeError("tensor parallelism does not take fused qkv_proj / gate_up_proj yet")
+    for what, size in (
+        ("attention heads", config.num_attention_heads),
+        ("KV heads", config.num_key_value_heads),
+        ("intermediate size", config.intermediate_size),
+    ):
+        if size % w:
+            raise QServeError(
+                f"{what} ({size}) do not split over --tensor-parallel-size {w}: it must divide "
+                f"them (KV heads replicated across ranks are not supported yet)"
+            )
+    return dataclasses.replace(
+        config,
+        num_attention_heads=config.num_attention_heads // w,
+        num_key_value_heads=config.num_key_value_heads // w,
+        intermediate_size=config.intermediate_size // w,
+    )
+
+
+def shard_state(state: dict[str, torch.Tensor], tp: TPRank) -> dict[str, torch.Tensor]:
+    """Rank `tp.rank`'s share of a dense checkpoint's tensors: q/k/v and gate/up cut along
+    their outputs, o_proj and down_proj along their inputs (bias on rank 0), the rest whole."""
+    modules: dict[str, dict[str, torch.Tensor]] = {}
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in state.items():
+        prefix, _, suffix = name.rpartition(".")
+        if prefix.rpartition(".")[2] in COLUMN + ROW:
+            modules.setdefault(prefix, {})[suffix] = tensor
+        else:
+            out[name] = tensor
+    for prefix, tensors in modules.items():
+        if prefix.rpartition(".")[2] in COLUMN:
+            part = column_shard(tensors, "dense", tp.rank, tp.world, name=prefix)
+        else:  # the model's module has a bias on every rank: zeros where rank 0 adds it
+            part = row_shard(tensors, "dense", tp.rank, tp.world, name=prefix)
+            if "bias" in tensors and "bias" not in part:
+                part["bias"] = torch.zeros_like(tensors["bias"])
+        out.update((f"{prefix}.{suffix}", t) for suffix, t in part.items())
+    return out
+
+
+def add_all_reduce(model: nn.Module, tp: TPRank) -> int:
+    """Sum every row-parallel linear's output over the group (a forward hook on each o_proj and
+    down_proj, in place); returns how many it hooked."""
+    import torch.distributed as dist
+
+    def all_reduce(module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(output, group=tp.group)
+        return output
+
+    hooked = 0
+    for name, module in model.named_modules():
+        if name.rpartition(".")[2] in ROW:
+            module.register_forward_hook(all_reduce)
+            hooked += 1
+    return hooked

@@ -6,8 +6,7 @@ auto` at several budgets, beside uniform schemes and a llama.cpp-style mix, in o
         [--output benchmarks/results/autoquant.json] [--chart benchmarks/results/autoquant.png]
 
 Rows, each a GPTQ checkpoint written by `quantize_model` (qserve's GPTQ defaults: GPTAQ, mse,
-`--calib generated`, `--num-samples` x 512 tokens; results/autoquant.json predates the last
-two and calibrated on Moby-Dick ch. 11+):
+`--calib generated`, `--num-samples` x 512 tokens):
 
     uniform      W4 at every group size that divides the model's linears, W8 per channel
     llama.cpp    Q4_K_M's rule at our schemes: attention q/k/v (llama.cpp: attn_v) and

@@ -6,9 +6,11 @@
 
 Rows: dense fp32, dense bf16, W4 (RTN, group 64 or the largest dividing every linear) with
 lm_head 16-bit, and W4 with a W4 lm_head (`--quantize-lm-head`); each in qserve's engine,
-eager (the compiled decode step does not exist yet). A row's ms/token is the median wall time
-of one decode step with B requests running (`throughput.py`'s steady-state measurement: all
-engines prefilled, then stepped round robin), i.e. each sequence's time per token.
+eager (`--enforce-eager`) and with the compiled decode step (step graphs: the batch size's
+graph is captured in an untimed step, and its capture time reported). A row's ms/token is the
+median wall time of one decode step with B requests running (`throughput.py`'s steady-state
+measurement: all engines prefilled, then stepped round robin), i.e. each sequence's time per
+token.
 
 The floor is the bytes one step must read divided by the read bandwidth measured in the same
 run (`read_bandwidth`: a sum over a 1 GiB buffer with the same threads): every tensor the
@@ -98,6 +100,23 @@ def w4_checkpoints(model: Path, folder: Path) -> list[Path]:
     return out
 
 
+def eager_and_graphs(specs: list[throughput.ModelSpec]) -> list[throughput.ModelSpec]:
+    """Each model twice: eager (--enforce-eager) and with the compiled decode step."""
+    out = []
+    for s in specs:
+        out.append(dataclasses.replace(s, label=f"{s.label} eager", enforce_eager=True))
+        out.append(dataclasses.replace(s, label=f"{s.label} graph", enforce_eager=False))
+    return out
+
+
+def capture_ms(engine: Any, batch: int) -> float | None:
+    """How long capturing this batch size's decode step took (None: eager)."""
+    graphs = engine.model_runner.decode_graphs
+    size = None if graphs is None else graphs.size_for(batch)
+    graph = None if size is None else graphs.graphs.get(size)
+    return None if graph is None else 1e3 * graph.capture_seconds
+
+
 def hf_ms_per_token(model: Path, prompt: list[int], num_threads: int) -> float:
     """transformers bf16 greedy `generate` at batch 1: (t(129 tokens) - t(1)) / 128, medians."""
     torch.set_num_threads(num_threads)
@@ -123,18 +142,23 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     bandwidth = read_bandwidth(args.num_threads)
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="qserve-decode-") as tmp:
-        specs = throughput.decode_specs(str(model), w4_checkpoints(model, Path(tmp)))
+        specs = eager_and_graphs(
+            throughput.decode_specs(str(model), w4_checkpoints(model, Path(tmp)))
+        )
         for batch in args.batch_sizes:
             prompts = throughput.decode_prompts(tokenizer, args, batch)
             engines = throughput.start_engines(specs, prompts, args)
             times = throughput.step_in_turn(engines, batch, args.decode_steps)
             for s in specs:
                 ms = 1e3 * statistics.median(t[0] for t in times[s.label])
-                nbytes = step_bytes(engines[s.label].model_runner.model)
+                engine = engines[s.label]
+                nbytes = step_bytes(engine.model_runner.model)
                 floor = 1e3 * nbytes / (bandwidth * 1e9)
-                rows.append({"label": s.label, "batch_size": batch, "ms_per_token": ms,
-                             "weight_mb": nbytes / 1e6, "floor_ms": floor,
-                             "x_floor": ms / floor})  # fmt: skip
+                rows.append({"label": s.label.rsplit(" ", 1)[0], "batch_size": batch,
+                             "mode": "eager" if s.enforce_eager else "graph",
+                             "ms_per_token": ms, "weight_mb": nbytes / 1e6, "floor_ms": floor,
+                             "x_floor": ms / floor,
+                             "capture_ms": capture_ms(engine, batch)})  # fmt: skip
             del engines
             gc.collect()
     hf = None if args.skip_hf else hf_ms_per_token(model, prompts[0], args.num_threads)
@@ -143,12 +167,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def format_table(summary: dict[str, Any]) -> str:
-    head = f"{'model':<18}{'B':>4}{'ms/token':>10}{'weights MB':>12}{'floor ms':>10}{'x floor':>9}"
+    head = (
+        f"{'model':<18}{'mode':>6}{'B':>4}{'ms/token':>10}{'weights MB':>12}{'floor ms':>10}"
+        f"{'x floor':>9}{'capture ms':>12}"
+    )
     lines = [f"read bandwidth {summary['read_gb_s']:.1f} GB/s", head, "-" * len(head)]
     for r in summary["rows"]:
+        capture = r.get("capture_ms")
         lines.append(
-            f"{r['label']:<18}{r['batch_size']:>4}{r['ms_per_token']:>10.2f}"
-            f"{r['weight_mb']:>12.1f}{r['floor_ms']:>10.2f}{r['x_floor']:>9.2f}"
+            f"{r['label']:<18}{r.get('mode', 'eager'):>6}{r['batch_size']:>4}"
+            f"{r['ms_per_token']:>10.2f}{r['weight_mb']:>12.1f}{r['floor_ms']:>10.2f}"
+            f"{r['x_floor']:>9.2f}{'-' if capture is None else f'{capture:.0f}':>12}"
         )
     hf = summary["hf_bf16_ms_per_token_b1"]
     if hf is not None:

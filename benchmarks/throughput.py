@@ -88,6 +88,7 @@ class ModelSpec:
     label: str
     model: str
     dtype: str  # "auto" or a DTYPES key
+    enforce_eager: bool = False  # True: no compiled decode step (the engine's --enforce-eager)
 
 
 # ------------------------------------------------------------------------------------ qserve
@@ -102,6 +103,7 @@ def make_llm(args: argparse.Namespace, spec: ModelSpec) -> Any:
         kv_cache_memory=args.kv_cache_memory,
         max_num_seqs=args.max_num_seqs,
         num_threads=args.num_threads,
+        enforce_eager=spec.enforce_eager,
     )
 
 
@@ -270,6 +272,7 @@ def make_decode_engine(spec: ModelSpec, args: argparse.Namespace, batch: int, to
         kv_cache_memory=decode_kv_bytes(spec.model, batch, tokens),
         max_num_seqs=batch,
         num_threads=args.num_threads,
+        enforce_eager=spec.enforce_eager,
     )
     return llm.engine
 

@@ -86,6 +86,47 @@ def _ninja_on_path() -> Iterator[None]:
         os.environ["PATH"] = path
 
 
+# The launch recorder of the step graph being captured (qserve/engine/step_graph.py), if any.
+_recorder: Callable[[Callable[..., int], tuple], None] | None = None
+
+
+@contextlib.contextmanager
+def recording_launches(record: Callable[[Callable[..., int], tuple], None]) -> Iterator[None]:
+    """While active, every kernel launch also calls record(fn, args) before it runs, so a step
+    graph can replay the launches later with the same (raw pointer) arguments."""
+    global _recorder
+    if _recorder is not None:
+        raise RuntimeError("kernel launches are already being recorded")
+    _recorder = record
+    try:
+        yield
+    finally:
+        _recorder = None
+
+
+def _launcher(fn: Callable[..., int]) -> Callable[..., int]:
+    def launch(*args: object) -> int:
+        if _recorder is not None:
+            _recorder(fn, args)
+        return fn(*args)
+
+    return launch
+
+
+class KernelLibrary:
+    """A loaded library's declared entry points as attributes. An entry point with arguments
+    is a kernel returning a status (0: done) and goes through `_launcher`, which a step graph's
+    capture records; an argument-less one is a query (which code the build took), called
+    directly."""
+
+    def __init__(self, lib: ctypes.CDLL, symbols: dict[str, tuple[list[type], type]]) -> None:
+        self._lib = lib  # keeps the library loaded
+        for name, (argtypes, restype) in symbols.items():
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = argtypes, restype
+            setattr(self, name, _launcher(fn) if argtypes else fn)
+
+
 def extension_name(stem: str) -> str:
     """`qserve_<stem>_<avx2|avx512|...>`: one build per CPU capability."""
     return f"qserve_{stem}_{torch.backends.cpu.get_cpu_capability().lower()}"
@@ -97,7 +138,7 @@ def build_library(
     symbols: dict[str, tuple[list[type], type]],
     what: str,
     extra_cflags: tuple[str, ...] = (),
-) -> ctypes.CDLL | None:
+) -> KernelLibrary | None:
     """Compile `source` (first call on this machine, a few seconds), load it and set each
     symbol's (argtypes, restype). None, with one warning naming `what`, if that fails."""
     if compiler() is None:
@@ -105,10 +146,7 @@ def build_library(
         _unavailable(f"no C++ compiler ({cxx}): {what} takes the torch path")
         return None
     try:
-        lib = ctypes.CDLL(str(_build(stem, source, extra_cflags)))
-        for name, (argtypes, restype) in symbols.items():
-            fn = getattr(lib, name)
-            fn.argtypes, fn.restype = argtypes, restype
+        lib = KernelLibrary(ctypes.CDLL(str(_build(stem, source, extra_cflags))), symbols)
     except Exception as e:  # no ninja, a failed build: the torch path still works
         first_line = (str(e).strip().splitlines() or [type(e).__name__])[0]
         logger.debug("%s build failure", what, exc_info=True)

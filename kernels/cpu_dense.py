@@ -74,7 +74,7 @@ _SYMBOLS = {
 
 
 @functools.cache
-def load_library() -> ctypes.CDLL | None:
+def load_library() -> cpu_build.KernelLibrary | None:
     """Compile (first call on this machine, a few seconds) and load; None, with one warning,
     if that fails."""
     return cpu_build.build_library("cpu_dense", SOURCE, _SYMBOLS, "CPU bf16 GEMV")

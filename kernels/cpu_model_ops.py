@@ -41,7 +41,7 @@ _SYMBOLS = {
 
 
 @functools.cache
-def load_library() -> ctypes.CDLL | None:
+def load_library() -> cpu_build.KernelLibrary | None:
     """Compile (first call on this machine, a few seconds) and load; None, with one warning,
     if that fails. -ffp-contract=off: no fused multiply-add where torch rounds in between."""
     return cpu_build.build_library(

@@ -80,7 +80,7 @@ _ARGS = (
 
 
 @functools.cache
-def load_library() -> ctypes.CDLL | None:
+def load_library() -> cpu_build.KernelLibrary | None:
     """Compile (first call on this machine, a few seconds) and load the kernel; None, with one
     warning, if that fails."""
     argtypes = [t for _, t in _ARGS]

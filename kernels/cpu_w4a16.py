@@ -64,7 +64,7 @@ _DEQUANT_ARGS = [_ptr, _ptr, _ptr, _i64, _i64, _i64, _ptr, _i32, _i32]
 
 
 @functools.cache
-def load_library() -> ctypes.CDLL | None:
+def load_library() -> cpu_build.KernelLibrary | None:
     """Compile (first call on this machine, a few seconds) and load; None, with one warning,
     if that fails."""
     symbols = {
@@ -186,7 +186,7 @@ def w4_from_awq(
     return w4_from_codes(q, scales, unpack_awq_qzeros(qzeros), gs)
 
 
-def _library() -> ctypes.CDLL:
+def _library() -> cpu_build.KernelLibrary:
     lib = load_library()
     if lib is None:
         raise RuntimeError("the CPU W4A16 kernel failed to compile")

@@ -72,6 +72,9 @@ class EngineConfig:
     num_threads: Annotated[int, Range(1)] | None = setting(
         None, "torch CPU threads.", default_text="torch's"
     )
+    enforce_eager: bool = setting(
+        False, "Run every step eagerly (no captured decode-step graphs; they are CPU-only)."
+    )
 
     def __post_init__(self) -> None:
         check_fields(self)

@@ -17,7 +17,12 @@ from qserve.engine.context_length import check_context_length
 from qserve.engine.detokenizer import IncrementalDetokenizer
 from qserve.engine.kv_cache_manager import KVCacheManager
 from qserve.engine.logits_processors import TokenControls, check_token_ids, tokenize_bad_words
-from qserve.engine.model_runner import KVCacheSpec, ModelRunner, SampledToken
+from qserve.engine.model_runner import (
+    DecodeGraphsConfig,
+    KVCacheSpec,
+    ModelRunner,
+    SampledToken,
+)
 from qserve.engine.output_processor import (
     RequestState,
     SampleState,
@@ -61,7 +66,12 @@ class LLMEngine:
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len),
             KVCacheManager(kv_spec.num_blocks, kv_spec.block_size, config.enable_prefix_caching),
         )
-        self.model_runner = ModelRunner(model, self.model_config, kv_spec, config.device)
+        graphs = (
+            None
+            if config.enforce_eager
+            else DecodeGraphsConfig(config.max_num_seqs, self.max_model_len)
+        )
+        self.model_runner = ModelRunner(model, self.model_config, kv_spec, config.device, graphs)
         self._structured_outputs: StructuredOutputManager | None = None  # made on first use
         # bad_words -> their token sequences (a batch of prompts shares one request's words)
         self._bad_words_token_ids = functools.lru_cache(maxsize=64)(

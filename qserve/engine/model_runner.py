@@ -7,6 +7,7 @@ from dataclasses import dataclass, field, replace
 import torch
 from torch import nn
 
+from qserve.engine.decode_graphs import DecodeGraphs
 from qserve.engine.prompt_logprobs import PromptSpan, compute_prompt_logprobs, prompt_spans
 from qserve.engine.sampler import Logprobs, Sampler, SamplingMetadata
 from qserve.engine.scheduler import ScheduledRequest, SchedulerOutput
@@ -49,6 +50,14 @@ class KVCacheSpec:
         return replace(spec, num_blocks=memory // spec.bytes_per_block)
 
 
+@dataclass(frozen=True)
+class DecodeGraphsConfig:
+    """What sizes the compiled decode step's graphs: the batch and context limits."""
+
+    max_num_seqs: int
+    max_model_len: int
+
+
 @dataclass
 class ModelInput:
     input_ids: torch.Tensor  # int64 [num_tokens]
@@ -75,7 +84,12 @@ class ModelRunnerOutput:
 
 class ModelRunner:
     def __init__(
-        self, model: nn.Module, model_config: ModelConfig, kv_spec: KVCacheSpec, device: str
+        self,
+        model: nn.Module,
+        model_config: ModelConfig,
+        kv_spec: KVCacheSpec,
+        device: str,
+        decode_graphs: DecodeGraphsConfig | None = None,
     ) -> None:
         self.model = model
         self.model_config = model_config
@@ -93,6 +107,12 @@ class ModelRunner:
             for _ in range(kv_spec.num_layers)
         ]
         self.sampler = Sampler()
+        self.decode_graphs: DecodeGraphs | None = None  # the compiled decode step (CPU)
+        if decode_graphs is not None and self.device.type == "cpu":
+            max_blocks = -(-decode_graphs.max_model_len // kv_spec.block_size)
+            self.decode_graphs = DecodeGraphs(
+                model, self.kv_caches, decode_graphs.max_num_seqs, max_blocks
+            )
 
     @torch.inference_mode()
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
@@ -100,11 +120,14 @@ class ModelRunner:
         prompt logprobs of the prompt positions it ran for requests that ask for them."""
         self.copy_blocks(out.blocks_to_copy)
         batch = self.prepare_inputs(out.scheduled)
-        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attn_metadata)
-        prompt_logprobs = compute_prompt_logprobs(self.model, hidden, batch.prompt_spans)
-        if not batch.sampling_rows:
-            return ModelRunnerOutput({}, prompt_logprobs)
-        logits = self.model.compute_logits(hidden[batch.logits_indices])
+        logits, prompt_logprobs = self.graph_logits(batch), {}
+        if logits is None:
+            md = batch.attn_metadata
+            hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, md)
+            prompt_logprobs = compute_prompt_logprobs(self.model, hidden, batch.prompt_spans)
+            if not batch.sampling_rows:
+                return ModelRunnerOutput({}, prompt_logprobs)
+            logits = self.model.compute_logits(hidden[batch.logits_indices])
         rows = batch.sampling_rows
         if not any(s.request.is_beam for s in rows):
             return ModelRunnerOutput(self.sample(logits, rows), prompt_logprobs)
@@ -116,6 +139,14 @@ class ModelRunner:
             if s.request.is_beam
         }
         return ModelRunnerOutput(tokens, prompt_logprobs, beam_logprobs)
+
+    def graph_logits(self, batch: ModelInput) -> torch.Tensor | None:
+        """A decode batch's logits through the compiled decode step; None: run it eagerly."""
+        md = batch.attn_metadata
+        decode = len(batch.sampling_rows) == len(md.query_lens_cpu) == batch.input_ids.shape[0]
+        if self.decode_graphs is None or not decode or batch.prompt_spans:
+            return None
+        return self.decode_graphs.logits(batch.input_ids, batch.positions, md)
 
     def copy_blocks(self, blocks_to_copy: list[tuple[int, int]]) -> None:
         """Copy-on-write: each (src, dst) block's K and V pages, every layer, before the step

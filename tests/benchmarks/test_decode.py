@@ -21,10 +21,12 @@ def test_decode_rows_and_floors(tmp_path: Path) -> None:
     assert decode.main(argv) == 0
     summary = json.loads(out.read_text())
     labels = ["dense fp32", "dense bf16", "w4", "w4 + w4 lm_head"]
-    assert [(r["label"], r["batch_size"]) for r in summary["rows"]] == [
-        (label, b) for b in (1, 2) for label in labels
+    assert [(r["label"], r["mode"], r["batch_size"]) for r in summary["rows"]] == [
+        (label, mode, b) for b in (1, 2) for label in labels for mode in ("eager", "graph")
     ]
     assert summary["read_gb_s"] > 0
+    for r in summary["rows"]:  # the tiny Llama's head_dim 16 takes the torch attention: eager
+        assert r["capture_ms"] is None
     by = {(r["label"], r["batch_size"]): r for r in summary["rows"]}
     for r in summary["rows"]:
         assert r["ms_per_token"] > 0

@@ -11,7 +11,8 @@ Workload (64 concurrent requests). One seeded workload (benchmarks/workload.py: 
 32-512 tokens, 16-256 output tokens, EOS ignored) runs side by side in one process, same thread
 count, each engine after a warm-up:
 
-- qserve: all requests added at once, the engine stepped to completion; after every step the KV
+- qserve: all requests added at once, the engine stepped to completion (the dense model twice:
+  with the compiled decode step, the default, and with --enforce-eager); after every step the KV
   cache is sampled (`get_stats`: slots holding computed tokens / slots of the blocks held) and
   compared with a contiguous allocation that reserves prompt + max_tokens, or max_model_len, slots
   per running request from the start. The dense model runs in --dtype; every --checkpoint
@@ -55,6 +56,7 @@ DEFAULT_OUTPUT = Path(__file__).resolve().parent / "results" / "throughput.json"
 HF_BATCH_SIZE = 8
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 DENSE = "qserve"  # the result key of the dense model's workload run (kept from earlier JSON)
+EAGER = "qserve --enforce-eager"  # the same model without the compiled decode step
 BASELINE = "dense bf16"  # decode ratios are to this row
 DECODE_WARMUP_STEPS = 2
 
@@ -646,8 +648,13 @@ def workload_config(args: argparse.Namespace) -> WorkloadConfig:
 def run_workload(
     args: argparse.Namespace, model_path: Path, requests: list[BenchRequest]
 ) -> list[RunResult]:
-    """The dense model, each checkpoint, then transformers, one after the other."""
-    results = [run_qserve(requests, args, ModelSpec(DENSE, str(model_path), args.dtype))]
+    """The dense model (compiled decode step, then --enforce-eager), each checkpoint, then
+    transformers, one after the other."""
+    dense = ModelSpec(DENSE, str(model_path), args.dtype)
+    results = [run_qserve(requests, args, dense)]
+    eager = ModelSpec(EAGER, str(model_path), args.dtype, enforce_eager=True)
+    print("workload: dense --enforce-eager ...", flush=True)
+    results.append(run_qserve(requests, args, eager, EAGER))
     for spec in checkpoint_specs(args.checkpoint):
         print(f"workload: {spec.label} ...", flush=True)
         results.append(run_qserve(requests, args, spec, f"qserve {spec.label}"))

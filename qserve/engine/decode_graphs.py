@@ -128,7 +128,7 @@ class DecodeGraphs:
             logger.info("decode steps run eager: %s", exc)
             return None
         self.graphs[size] = graph
-        logger.debug(
+        logger.info(
             "captured the decode step for batch size %d in %.0f ms (%d kernel launches, %d "
             "torch ops)", size, 1e3 * graph.capture_seconds, graph.num_launches,
             len(graph.steps) - graph.num_launches,

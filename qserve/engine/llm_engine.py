@@ -147,9 +147,19 @@ class LLMEngine:
         if torch.device(self.config.device).type == "cpu":
             paths = ops.cpu_kernel_paths().items()
             logger.info("CPU kernels: %s", ", ".join(f"{name} {path}" for name, path in paths))
+        logger.info("decode steps: %s", self._decode_mode())
         if is_fp8(kv_spec.dtype):
             scales = "from the checkpoint" if report.has_kv_scales else "1.0 (not calibrated)"
             logger.info("FP8 KV pages: k_scale/v_scale %s", scales)
+
+    def _decode_mode(self) -> str:
+        graphs = self.model_runner.decode_graphs
+        if graphs is not None:
+            sizes = ", ".join(map(str, graphs.sizes))
+            return f"compiled (a step graph per batch size {sizes}, captured on first use)"
+        if self.config.enforce_eager:
+            return "eager (--enforce-eager)"
+        return f"eager (step graphs are CPU-only; {self.config.device} runs eager)"
 
     # -- requests ------------------------------------------------------------------------------
 

@@ -122,6 +122,7 @@ def test_smoke_run_on_a_tiny_model(tiny: Path, tmp_path: Path) -> None:
     assert tp.main(argv) == 0
     summary = json.loads(out.read_text())
     assert summary["results"][tp.DENSE]["output_tokens"] == summary["workload"]["output_tokens"]
+    assert summary["results"][tp.EAGER]["output_tokens"] == summary["workload"]["output_tokens"]
     for batch in ("1", "3"):
         rows = summary["decode"][batch]
         assert [r["label"] for r in rows] == ["dense fp32", tp.BASELINE]

@@ -72,6 +72,9 @@ class EngineConfig:
     num_threads: Annotated[int, Range(1)] | None = setting(
         None, "torch CPU threads.", default_text="torch's"
     )
+    tensor_parallel_size: Annotated[int, Range(1)] = setting(
+        1, "Processes that each run a shard of every layer (CPU, gloo; dense Llama family)."
+    )
     enforce_eager: bool = setting(
         False, "Run every step eagerly (no captured decode-step graphs; they are CPU-only)."
     )

@@ -33,15 +33,17 @@ from qserve.engine.request import Request, RequestStatus
 from qserve.engine.sampler import make_generator
 from qserve.engine.sampling_params import RequestOutputKind, SamplingParams
 from qserve.engine.scheduler import Scheduler, SchedulerConfig
+from qserve.engine.startup_log import log_startup
 from qserve.engine.stats import EngineStats
 from qserve.engine.structured_outputs import StructuredOutputManager
 from qserve.errors import QServeError
-from qserve.kernels import ops
 from qserve.kernels.attention_ref import is_fp8
 from qserve.model.config import ModelConfig
 from qserve.model.loader import LoadReport, load_model, load_tokenizer
 from qserve.model.quant import activation_dtype
 from qserve.model.resolve import resolve_model
+from qserve.parallel.tensor_parallel import TPRank
+from qserve.parallel.workers import start_workers
 
 logger = logging.getLogger("qserve")
 
@@ -56,22 +58,34 @@ class LLMEngine:
         self.dtype = config.torch_dtype(self.model_config.torch_dtype)
         if self.model_config.quantization is not None and config.dtype == "auto":
             self.dtype = activation_dtype(self.model_config.torch_dtype, config.device)
-        model, _ = load_model(path, self.dtype, config.device)
+        self.workers, tp = start_workers(config, path, self.dtype, self.model_config)
+        try:
+            self._load(path, tp)
+        except BaseException:
+            self.close()
+            raise
+
+    def _load(self, path: Any, tp: TPRank | None) -> None:
+        config = self.config
+        model, rank_config = load_model(path, self.dtype, config.device, tp=tp)
         self.load_report: LoadReport = model.load_report
         self.tokenizer = load_tokenizer(path)
         self.eos_token_ids = self.model_config.eos_token_ids
-        kv_spec = self._kv_cache_spec()
+        kv_spec = self._kv_cache_spec(rank_config)
         self.max_model_len = self._max_model_len(kv_spec)
+        if self.workers is not None:
+            self.workers.send(kv_spec)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len),
             KVCacheManager(kv_spec.num_blocks, kv_spec.block_size, config.enable_prefix_caching),
         )
         graphs = (
             None
-            if config.enforce_eager
+            if config.enforce_eager or self.workers is not None
             else DecodeGraphsConfig(config.max_num_seqs, self.max_model_len)
         )
         self.model_runner = ModelRunner(model, self.model_config, kv_spec, config.device, graphs)
+        self.model_runner.workers = self.workers
         self._structured_outputs: StructuredOutputManager | None = None  # made on first use
         # bad_words -> their token sequences (a batch of prompts shares one request's words)
         self._bad_words_token_ids = functools.lru_cache(maxsize=64)(
@@ -81,12 +95,18 @@ class LLMEngine:
         # scheduler request id -> (the user's request, that one of its n samples)
         self._samples: dict[str, tuple[RequestState, SampleState]] = {}
         self._beam_searches: dict[str, BeamSearchRequest] = {}  # by request id (= beams' group)
-        self._log_startup(path, kv_spec)
+        log_startup(self, path, kv_spec)
 
-    def _kv_cache_spec(self) -> KVCacheSpec:
+    def close(self) -> None:
+        """Stop the tensor-parallel workers, if any (also done at exit)."""
+        if getattr(self, "workers", None) is not None:
+            self.workers.close()
+
+    def _kv_cache_spec(self, rank_config: ModelConfig) -> KVCacheSpec:
+        """Blocks of this rank's KV heads (all of them without tensor parallelism)."""
         kv_dtype = self.config.kv_torch_dtype(self.dtype)
         spec = KVCacheSpec.from_memory(
-            self.model_config, self.config.kv_cache_memory_bytes, self.config.block_size, kv_dtype
+            rank_config, self.config.kv_cache_memory_bytes, self.config.block_size, kv_dtype
         )
         if spec.num_blocks < 1:
             raise QServeError(
@@ -116,50 +136,6 @@ class LLMEngine:
                 f"max_model_len {wanted} is longer than the model's context {context}"
             )
         return min(wanted or context, kv_spec.num_tokens)
-
-    def _log_startup(self, path: Any, kv_spec: KVCacheSpec) -> None:
-        gib = kv_spec.num_blocks * kv_spec.bytes_per_block / 2**30
-        logger.info(
-            "model %s (%s, %s) on %s; KV cache: %d blocks x %d tokens = %d tokens "
-            "(%.2f GiB, %s); max_model_len %d",
-            path,
-            self.model_config.architecture,
-            str(self.dtype).removeprefix("torch."),
-            self.config.device,
-            kv_spec.num_blocks,
-            kv_spec.block_size,
-            kv_spec.num_tokens,
-            gib,
-            str(kv_spec.dtype).removeprefix("torch."),
-            self.max_model_len,
-        )
-        report = self.load_report
-        made_by = report.provenance
-        recipe = ""
-        if made_by:
-            named = f", recipe {made_by['recipe']}" if made_by.get("recipe") else ""
-            recipe = f" (made by qserve quantize{named})"
-        logger.info("weights: %s%s", report.scheme, recipe)
-        for kind, kernel in report.linear_paths.items():
-            logger.info("  %-10s %s", kind, kernel)
-        if report.merged:
-            logger.info("  merged into one matmul each: %s", ", ".join(report.merged))
-        if torch.device(self.config.device).type == "cpu":
-            paths = ops.cpu_kernel_paths().items()
-            logger.info("CPU kernels: %s", ", ".join(f"{name} {path}" for name, path in paths))
-        logger.info("decode steps: %s", self._decode_mode())
-        if is_fp8(kv_spec.dtype):
-            scales = "from the checkpoint" if report.has_kv_scales else "1.0 (not calibrated)"
-            logger.info("FP8 KV pages: k_scale/v_scale %s", scales)
-
-    def _decode_mode(self) -> str:
-        graphs = self.model_runner.decode_graphs
-        if graphs is not None:
-            sizes = ", ".join(map(str, graphs.sizes))
-            return f"compiled (a step graph per batch size {sizes}, captured on first use)"
-        if self.config.enforce_eager:
-            return "eager (--enforce-eager)"
-        return f"eager (step graphs are CPU-only; {self.config.device} runs eager)"
 
     # -- requests ------------------------------------------------------------------------------
 

@@ -14,6 +14,7 @@ from qserve.engine.scheduler import ScheduledRequest, SchedulerOutput
 from qserve.engine.structured_outputs import apply_grammar_bitmask
 from qserve.model.attention import AttentionMetadata, make_kv_cache
 from qserve.model.config import ModelConfig
+from qserve.parallel.workers import StepMessage, TPWorkers
 
 
 @dataclass(frozen=True)
@@ -107,6 +108,7 @@ class ModelRunner:
             for _ in range(kv_spec.num_layers)
         ]
         self.sampler = Sampler()
+        self.workers: TPWorkers | None = None  # tensor-parallel ranks 1.. (set by the engine)
         self.decode_graphs: DecodeGraphs | None = None  # the compiled decode step (CPU)
         if decode_graphs is not None and self.device.type == "cpu":
             max_blocks = -(-decode_graphs.max_model_len // kv_spec.block_size)
@@ -120,6 +122,9 @@ class ModelRunner:
         prompt logprobs of the prompt positions it ran for requests that ask for them."""
         self.copy_blocks(out.blocks_to_copy)
         batch = self.prepare_inputs(out.scheduled)
+        if self.workers is not None:  # tensor parallel: the other ranks run the same forward
+            md = batch.attn_metadata
+            self.workers.send(StepMessage(batch.input_ids, batch.positions, md, out.blocks_to_copy))
         logits, prompt_logprobs = self.graph_logits(batch), {}
         if logits is None:
             md = batch.attn_metadata
@@ -139,6 +144,13 @@ class ModelRunner:
             if s.request.is_beam
         }
         return ModelRunnerOutput(tokens, prompt_logprobs, beam_logprobs)
+
+    @torch.inference_mode()
+    def run_forward(self, message: StepMessage) -> None:
+        """A tensor-parallel worker's step: rank 0's batch through this rank's shard (no
+        logits: rank 0 computes them from the all-reduced hidden states)."""
+        self.copy_blocks(message.blocks_to_copy)
+        self.model(message.input_ids, message.positions, self.kv_caches, message.attn_metadata)
 
     def graph_logits(self, batch: ModelInput) -> torch.Tensor | None:
         """A decode batch's logits through the compiled decode step; None: run it eagerly."""

@@ -1,2 +1,3 @@
-"""Tensor and pipeline parallelism (issue 24): weight shards (`shard`) and a tensor-parallel
-rank's model (`tensor_parallel`); no worker processes yet."""
+"""Tensor and pipeline parallelism (issue 24): weight shards (`shard`), a tensor-parallel
+rank's model (`tensor_parallel`) and the worker processes that run ranks 1.. (`workers`).
+Pipeline parallelism is not built."""

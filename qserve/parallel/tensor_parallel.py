@@ -14,8 +14,8 @@ ends a step with the whole hidden state and the whole logits.
 Llama family with separate q/k/v and gate/up modules only, and a world that divides the KV heads;
 what is not there yet is refused in one line: quantized checkpoints (the shard functions exist,
 the loader does not take them yet), KV heads replicated across ranks, Phi-3's fused modules,
-mixtures of experts, vocab-parallel embeddings. Not wired into the engine yet: no worker
-processes.
+mixtures of experts, vocab-parallel embeddings. The engine's `--tensor-parallel-size` runs
+ranks 1.. in worker processes (`workers`).
 """
 
 from __future__ import annotations

@@ -1,0 +1,139 @@
+"""Tensor parallelism on one machine's CPU (issue 24): decode and a short workload at TP=1 and
+TP=2, with the weight memory each rank holds, in one run.
+
+    python benchmarks/tensor_parallel.py [--model qwen2.5-coder-0.5b] [--dtype float32]
+        [--batch-sizes 1 8] [--prompt-len 64] [--steps 16] [--num-requests 16]
+        [--output benchmarks/results/tensor_parallel.json]
+
+Rows: TP=1 with one thread, TP=1 with two threads (the whole machine in one process), and TP=2
+with one thread per rank (gloo between two processes). Decode: B requests of --prompt-len
+tokens, stepped once each is past its prompt, the median of --steps steps (`throughput.py`'s
+steady-state measurement). Workload: --num-requests requests of 32-256 prompt and 16-64 output
+tokens added at once, output tokens/s to completion. Weights: the bytes of rank 0's parameters
+and buffers (every rank holds the same amount). NCCL on GPUs is not built: CPU only.
+Prints a table and writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks import throughput  # noqa: E402
+from benchmarks.results_file import run_and_report, run_arguments  # noqa: E402
+from benchmarks.workload import WorkloadConfig, make_workload  # noqa: E402
+
+DEFAULT_OUTPUT = Path(__file__).resolve().parent / "results" / "tensor_parallel.json"
+CONFIGS = [("TP=1, 1 thread", 1, 1), ("TP=1, 2 threads", 1, 2), ("TP=2, 1 thread/rank", 2, 1)]
+
+
+def weight_mb(model: torch.nn.Module) -> float:
+    tensors = {t.data_ptr(): t for t in [*model.parameters(), *model.buffers()]}
+    return sum(t.numel() * t.element_size() for t in tensors.values()) / 1e6
+
+
+def make_llm(model: str, dtype: str, tp: int, threads: int, max_num_seqs: int) -> Any:
+    from qserve import LLM
+
+    return LLM(model, dtype=dtype, tensor_parallel_size=tp, num_threads=threads,
+               max_num_seqs=max_num_seqs, kv_cache_memory="512MiB")  # fmt: skip
+
+
+def decode_ms(llm: Any, prompts: list[list[int]], steps: int) -> float:
+    engine = llm.engine
+    throughput.start_decode(engine, prompts, throughput.DECODE_WARMUP_STEPS + steps + 8)
+    for _ in range(throughput.DECODE_WARMUP_STEPS):
+        throughput.timed_step(engine, len(prompts))
+    times = [throughput.timed_step(engine, len(prompts))[0] for _ in range(steps)]
+    for request_id in list(engine.requests):
+        engine.abort_request(request_id)
+    return 1e3 * statistics.median(times)
+
+
+def workload_tokens_per_s(llm: Any, requests: list[Any]) -> float:
+    from qserve import SamplingParams
+
+    engine, tokens = llm.engine, 0
+    start = time.perf_counter()
+    for r in requests:
+        params = SamplingParams(temperature=0, max_tokens=r.max_tokens, ignore_eos=True)
+        engine.add_request(f"tp-{r.request_id}", r.prompt_token_ids, params)
+    while engine.has_unfinished_requests():
+        tokens += sum(len(o.outputs[0].token_ids) for o in engine.step() if o.finished)
+    return tokens / (time.perf_counter() - start)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    from qserve.model.loader import load_tokenizer
+    from qserve.model.resolve import resolve_model
+
+    path = resolve_model(args.model)
+    tokenizer = load_tokenizer(path)
+    requests = make_workload(tokenizer, WorkloadConfig(args.num_requests, 32, 256, 16, 64, 0))
+    rows = []
+    for label, tp, threads in CONFIGS:
+        print(f"{label} ...", flush=True)
+        torch.set_num_threads(threads)
+        llm = make_llm(str(path), args.dtype, tp, threads, max(args.batch_sizes))
+        try:
+            mb = weight_mb(llm.engine.model_runner.model)
+            row: dict[str, Any] = {"label": label, "tp": tp, "threads_per_rank": threads,
+                                   "weight_mb_per_rank": mb}  # fmt: skip
+            for b in args.batch_sizes:
+                prompts = throughput.decode_prompts(tokenizer, _decode_args(args), b)
+                row[f"decode_ms_b{b}"] = decode_ms(llm, prompts, args.steps)
+            row["workload_tokens_per_s"] = workload_tokens_per_s(llm, requests)
+        finally:
+            llm.engine.close()
+        rows.append(row)
+    return {"model": args.model, "settings": run_arguments(args), "rows": rows}
+
+
+def _decode_args(args: argparse.Namespace) -> argparse.Namespace:
+    return argparse.Namespace(decode_prompt_len=args.prompt_len, seed=0)
+
+
+def format_table(summary: dict[str, Any]) -> str:
+    batches = summary["settings"]["batch_sizes"]
+    head = f"{'config':<22}{'weights MB/rank':>16}" + "".join(
+        f"{f'B={b} ms/step':>15}" for b in batches
+    )
+    head += f"{'workload tok/s':>16}"
+    lines = [head, "-" * len(head)]
+    for r in summary["rows"]:
+        line = f"{r['label']:<22}{r['weight_mb_per_rank']:>16.1f}"
+        line += "".join(f"{r[f'decode_ms_b{b}']:>15.1f}" for b in batches)
+        lines.append(line + f"{r['workload_tokens_per_s']:>16.1f}")
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="qwen2.5-coder-0.5b")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8], metavar="B")
+    p.add_argument("--prompt-len", type=int, default=64)
+    p.add_argument("--steps", type=int, default=16)
+    p.add_argument("--num-requests", type=int, default=16)
+    p.add_argument("--output", type=Path, default=DEFAULT_OUTPUT)
+    args = p.parse_args(argv)
+    if min(args.batch_sizes) < 1 or args.steps < 1 or args.prompt_len < 1:
+        p.error("batch sizes, --steps and --prompt-len must be positive")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_and_report(argv, parse_args, run, format_table)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

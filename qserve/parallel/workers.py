@@ -1,0 +1,201 @@
+"""Tensor-parallel worker processes (issue 24): ranks 1 .. N-1 of `--tensor-parallel-size N`.
+
+Rank 0 is the engine's own process: it runs the scheduler, builds each step's batch and, before
+its own forward, broadcasts the batch to the workers as plain data (`StepMessage`: token ids,
+positions and the attention metadata as tensors and lists, plus the step's block copies) with
+`torch.distributed.broadcast_object_list`. Every rank then runs its shard of the forward; the
+all-reduces after o_proj and down_proj (`tensor_parallel.add_all_reduce`) meet across the
+ranks. Embeddings and lm_head are replicated, so rank 0 alone computes logits and samples.
+
+Processes are spawned (fresh interpreters) and meet over gloo on CPU through a TCP store on a
+free loopback port; each rank holds only its shard of the weights and its own KV cache, with
+the same number of blocks (every rank computes it from the same settings and its share of
+the KV heads). A worker that dies is noticed before the next step (`check_alive`) or by the
+collective failing; either way the engine raises one line. `close()` (at engine close, or at
+exit) sends the stop message, joins the workers and ends the process group.
+
+Several machines (the `env://` rendezvous) and NCCL on CUDA are not built yet: tensor
+parallelism runs on one machine's CPU.
+"""
+
+from __future__ import annotations
+
+import atexit
+import datetime
+import logging
+import os
+import socket
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from qserve.errors import QServeError
+
+logger = logging.getLogger("qserve")
+
+COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=60)  # a collective a dead peer never joins
+
+
+@dataclass
+class StepMessage:
+    """What a worker needs to run one step's forward, as plain data."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    attn_metadata: Any  # qserve.model.attention.AttentionMetadata (tensors and int lists)
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class WorkerArgs:
+    """How a worker builds its rank: the model, its dtype and device, threads, the store."""
+
+    model_path: str
+    dtype: torch.dtype
+    device: str
+    num_threads: int
+    world: int
+    port: int
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_group(rank: int, world: int, port: int) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=COLLECTIVE_TIMEOUT,
+    )
+
+
+def threads_per_rank(num_threads: int | None, world: int) -> int:
+    """--num-threads per rank; by default the cores split evenly between the ranks."""
+    return num_threads or max(1, (os.cpu_count() or 1) // world)
+
+
+class TPWorkers:
+    """Rank 0's handle on ranks 1 .. world-1."""
+
+    def __init__(self, args: WorkerArgs) -> None:
+        import torch.distributed as dist
+        import torch.multiprocessing as mp
+
+        if dist.is_initialized():
+            raise QServeError(
+                "a tensor-parallel engine is already running in this process: close it first"
+            )
+        self.args = args
+        ctx = mp.get_context("spawn")
+        self.procs = [
+            ctx.Process(target=worker_main, args=(rank, args), daemon=True, name=f"qserve-tp{rank}")
+            for rank in range(1, args.world)
+        ]
+        for p in self.procs:
+            p.start()
+        self.closed = False
+        atexit.register(self.close)
+        init_group(0, args.world, args.port)
+
+    def check_alive(self) -> None:
+        """One line naming the first worker that has exited."""
+        for rank, p in enumerate(self.procs, start=1):
+            if not p.is_alive():
+                raise QServeError(
+                    f"tensor-parallel worker rank {rank} exited (code {p.exitcode}): the engine "
+                    "cannot run steps without it"
+                )
+
+    def send(self, message: Any) -> None:
+        """Broadcast one message (the KV spec, a StepMessage, or None to stop) to the workers."""
+        import torch.distributed as dist
+
+        self.check_alive()
+        try:
+            dist.broadcast_object_list([message], src=0)
+        except RuntimeError as exc:  # a peer vanished mid-collective
+            self.check_alive()
+            first = (str(exc).strip().splitlines() or ["collective failed"])[0]
+            raise QServeError(f"tensor-parallel broadcast failed: {first}") from None
+
+    def close(self) -> None:
+        import torch.distributed as dist
+
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            if all(p.is_alive() for p in self.procs):
+                dist.broadcast_object_list([None], src=0)
+        except RuntimeError:
+            pass
+        for p in self.procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def start_workers(
+    config: Any, path: Any, dtype: torch.dtype, model_config: Any
+) -> tuple[TPWorkers | None, Any]:
+    """For `config.tensor_parallel_size` N > 1: check that the model splits N ways (one line
+    if not, before anything starts), set this process's threads, spawn ranks 1 .. N-1 and join
+    the group as rank 0. (None, None) for N = 1."""
+    from qserve.parallel.tensor_parallel import TPRank
+
+    world = config.tensor_parallel_size
+    if world == 1:
+        return None, None
+    if not config.device.startswith("cpu"):
+        raise QServeError("tensor parallelism runs on CPU (gloo) so far, not on CUDA")
+    tp = TPRank(0, world)
+    tp.rank_config(model_config)  # refuses what does not split
+    threads = threads_per_rank(config.num_threads, world)
+    torch.set_num_threads(threads)
+    args = WorkerArgs(str(path), dtype, config.device, threads, world, free_port())
+    return TPWorkers(args), tp
+
+
+def worker_main(rank: int, args: WorkerArgs) -> None:
+    """A worker process: build rank `rank`'s model and KV cache, then run each step's forward
+    until the stop message. Any error: one line on stderr, exit code 1."""
+    try:
+        _serve(rank, args)
+    except Exception as exc:  # noqa: BLE001 - the one line is the report
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        print(f"qserve: tensor-parallel worker rank {rank}: {first}", file=sys.stderr)
+        sys.exit(1)
+
+
+def _serve(rank: int, args: WorkerArgs) -> None:
+    import torch.distributed as dist
+
+    from qserve.engine.model_runner import ModelRunner
+    from qserve.model.loader import load_model
+    from qserve.parallel.tensor_parallel import TPRank
+
+    torch.set_num_threads(args.num_threads)
+    init_group(rank, args.world, args.port)
+    tp = TPRank(rank, args.world)
+    model, config = load_model(args.model_path, args.dtype, args.device, tp=tp)
+    box: list[Any] = [None]
+    dist.broadcast_object_list(box, src=0)  # rank 0's KV cache spec (same number of blocks)
+    runner = ModelRunner(model, config, box[0], args.device)
+    while True:
+        dist.broadcast_object_list(box, src=0)
+        if box[0] is None:
+            break
+        runner.run_forward(box[0])
+    dist.destroy_process_group()

@@ -1,0 +1,95 @@
+"""Tensor parallelism in the engine (issue 24, `qserve.parallel.workers`): `LLM(...,
+tensor_parallel_size=2)` runs rank 1 in a worker process over gloo; its greedy output and
+logprobs equal one process's for prompts of mixed lengths, also under chunked prefill and
+preemption; what does not split is refused in one line before anything starts; a worker that
+dies makes the next step fail in one line, and closing leaves no process behind."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from qserve.engine.llm import LLM
+from qserve.engine.sampling_params import SamplingParams
+from qserve.errors import QServeError
+from tests.tiny import save_tiny_llama
+
+PROMPT_LENS = [5, 40, 25, 70, 1, 33]
+MAX_TOKENS = 12
+BLOCK_BYTES = 2 * 16 * 2 * 16 * 4 * 2  # K and V, 16 tokens, 2 KV heads of 16, fp32, 2 layers
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    return save_tiny_llama(tmp_path_factory.mktemp("tp") / "llama")
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    gen = torch.Generator().manual_seed(0)
+    return [torch.randint(3, 900, (n,), generator=gen).tolist() for n in PROMPT_LENS]
+
+
+def _run(model_dir: Path, prompts: list[list[int]], tp: int, **args) -> tuple[list, list, LLM]:
+    if "kv_blocks" in args:  # a rank's blocks hold 1/tp of the KV heads: as many blocks
+        args["kv_cache_memory"] = args.pop("kv_blocks") * BLOCK_BYTES // tp
+    llm = LLM(str(model_dir), dtype="float32", num_threads=1, tensor_parallel_size=tp, **args)
+    try:
+        params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=3)
+        outs = [o.outputs[0] for o in llm.generate(prompts, params)]
+    finally:
+        llm.engine.close()
+    tokens = [o.token_ids for o in outs]
+    logprobs = [[(s.top_token_ids, s.top_logprobs) for s in o.logprobs] for o in outs]
+    return tokens, logprobs, llm
+
+
+def _assert_same(one: tuple, two: tuple) -> None:
+    assert two[0] == one[0]
+    for a, b in zip(one[1], two[1]):  # top-3 ids equal, values up to fp32 summation order
+        for (ids_a, lp_a), (ids_b, lp_b) in zip(a, b):
+            assert ids_a == ids_b and lp_a == pytest.approx(lp_b, abs=1e-4)
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        dict(kv_cache_memory="16MiB"),
+        dict(kv_cache_memory="16MiB", max_num_batched_tokens=24),  # chunked prefill
+        dict(kv_blocks=6, max_model_len=96),  # preemption
+    ],
+    ids=["roomy", "chunked-prefill", "preemption"],
+)
+def test_tp2_equals_one_process(model_dir, prompts, args):
+    one = _run(model_dir, prompts, 1, **dict(args))
+    two = _run(model_dir, prompts, 2, **dict(args))
+    _assert_same(one, two)
+    if "max_model_len" in args:
+        assert two[2].engine.scheduler.num_preemptions > 0
+    assert all(not p.is_alive() for p in two[2].engine.workers.procs)
+
+
+def test_what_does_not_split_is_refused_before_starting(model_dir):
+    with pytest.raises(QServeError, match="do not split over --tensor-parallel-size 3") as info:
+        LLM(str(model_dir), dtype="float32", tensor_parallel_size=3)
+    assert "\n" not in str(info.value)
+    with pytest.raises(QServeError, match="CPU"):
+        LLM(str(model_dir), device="cuda", tensor_parallel_size=2)
+
+
+def test_a_dead_worker_fails_the_next_step_in_one_line(model_dir, prompts):
+    llm = LLM(str(model_dir), dtype="float32", num_threads=1, tensor_parallel_size=2)
+    try:
+        worker = llm.engine.workers.procs[0]
+        worker.kill()
+        worker.join()
+        start = time.monotonic()
+        with pytest.raises(QServeError, match="worker rank 1 exited") as info:
+            llm.generate(prompts[:2], SamplingParams(max_tokens=4))
+        assert time.monotonic() - start < 10 and "\n" not in str(info.value)
+    finally:
+        llm.engine.close()
+    assert not worker.is_alive()

@@ -116,10 +116,18 @@ class ModelRunner:
                 model, self.kv_caches, decode_graphs.max_num_seqs, max_blocks
             )
 
-    @torch.inference_mode()
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step: a token for each request that reached its last known token, and the
         prompt logprobs of the prompt positions it ran for requests that ask for them."""
+        try:
+            return self._execute_model(out)
+        except RuntimeError as exc:  # a collective a tensor-parallel peer left
+            if self.workers is None:
+                raise
+            raise self.workers.collective_failed(exc) from None
+
+    @torch.inference_mode()
+    def _execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
         self.copy_blocks(out.blocks_to_copy)
         batch = self.prepare_inputs(out.scheduled)
         if self.workers is not None:  # tensor parallel: the other ranks run the same forward

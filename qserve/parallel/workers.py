@@ -26,6 +26,9 @@ import logging
 import os
 import socket
 import sys
+import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,6 +39,10 @@ from qserve.errors import QServeError
 logger = logging.getLogger("qserve")
 
 COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=60)  # a collective a dead peer never joins
+
+
+class WorkerDiedError(QServeError):
+    """A tensor-parallel worker is gone: the engine cannot run another step."""
 
 
 @dataclass
@@ -110,7 +117,7 @@ class TPWorkers:
         """One line naming the first worker that has exited."""
         for rank, p in enumerate(self.procs, start=1):
             if not p.is_alive():
-                raise QServeError(
+                raise WorkerDiedError(
                     f"tensor-parallel worker rank {rank} exited (code {p.exitcode}): the engine "
                     "cannot run steps without it"
                 )
@@ -123,9 +130,34 @@ class TPWorkers:
         try:
             dist.broadcast_object_list([message], src=0)
         except RuntimeError as exc:  # a peer vanished mid-collective
+            raise self.collective_failed(exc) from None
+
+    def collective_failed(self, exc: BaseException) -> WorkerDiedError:
+        """The error for a collective that failed: the group is broken for good. Names the
+        worker that exited if one did (its death may take a moment to be seen)."""
+        for p in self.procs:
+            p.join(timeout=1.0 / len(self.procs))
+        try:
             self.check_alive()
-            first = (str(exc).strip().splitlines() or ["collective failed"])[0]
-            raise QServeError(f"tensor-parallel broadcast failed: {first}") from None
+        except WorkerDiedError as died:
+            return died
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        return WorkerDiedError(f"a tensor-parallel collective failed: {first}")
+
+    def watch(self, on_death: Callable[[str], None], interval: float = 0.5) -> None:
+        """Call on_death(one line) once, from a thread, when a worker is found exited (the
+        server's way to notice one while idle)."""
+
+        def poll() -> None:
+            while not self.closed:
+                try:
+                    self.check_alive()
+                except WorkerDiedError as exc:
+                    on_death(str(exc))
+                    return
+                time.sleep(interval)
+
+        threading.Thread(target=poll, name="qserve-tp-watch", daemon=True).start()
 
     def close(self) -> None:
         import torch.distributed as dist

@@ -31,6 +31,7 @@ from qserve.engine.llm_engine import LLMEngine
 from qserve.engine.outputs import RequestOutput, coalesce
 from qserve.engine.sampling_params import SamplingParams
 from qserve.errors import QServeError
+from qserve.parallel.workers import WorkerDiedError
 from qserve.server.limits import check_text_length
 from qserve.server.tokenizer_worker import TokenizerWorker
 
@@ -124,6 +125,8 @@ class AsyncLLMEngine:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self.draining = False  # shutting down: no new requests
+        self.fatal_error: str | None = None  # why the engine can run no more steps, if so
+        self.on_fatal: Callable[[str], None] | None = None  # the server's exit, when fatal
 
     # -- lifecycle (event loop) ----------------------------------------------------------------
 
@@ -258,6 +261,20 @@ class AsyncLLMEngine:
         for request_id in request_ids:
             self._inbox.put(lambda engine, r=request_id: self._abort_now(engine, r))
 
+    def fail(self, message: str) -> None:
+        """The engine can run no more steps (a tensor-parallel worker died): stop it, end every
+        request in flight with `message`, and call `on_fatal` once. Any thread; idempotent."""
+        if self.fatal_error is not None:
+            return
+        self.fatal_error = message
+        logger.error("%s", message)
+        self._stopping = True
+        self._inbox.put(None)
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self.cut_all, message)
+        if self.on_fatal is not None:
+            self.on_fatal(message)
+
     def abort(self, request_id: str) -> None:
         self._streams.pop(request_id, None)
         self._inbox.put(lambda engine: self._abort_now(engine, request_id))
@@ -294,6 +311,9 @@ class AsyncLLMEngine:
     def _step(self) -> None:
         try:
             outputs = self.engine.step()
+        except WorkerDiedError as exc:  # no step can run any more: the server exits
+            self.fail(str(exc))
+            return
         except Exception as exc:  # a bug, not bad input: fail what is in flight, keep serving
             logger.exception("engine step failed; aborting the requests in flight")
             self._abort_all()

@@ -130,8 +130,8 @@ class DecodeGraphs:
         self.graphs[size] = graph
         logger.info(
             "captured the decode step for batch size %d in %.0f ms (%d kernel launches, %d "
-            "torch ops)", size, 1e3 * graph.capture_seconds, graph.num_launches,
-            len(graph.steps) - graph.num_launches,
+            "torch ops, %.1f MB held)", size, 1e3 * graph.capture_seconds, graph.num_launches,
+            len(graph.steps) - graph.num_launches, graph.held_bytes / 1e6,
         )  # fmt: skip
         return graph.output[:n]
 

@@ -66,6 +66,7 @@ class _Recorder(TorchDispatchMode):
         super().__init__()
         self.steps = steps
         self.keep: list[Any] = []
+        self.made: list[Any] = []  # what the step allocated (not views of what it was given)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
         kwargs = kwargs or {}
@@ -74,7 +75,10 @@ class _Recorder(TorchDispatchMode):
             raise NotCapturable(f"the step calls aten.{name}")
         out = func(*args, **kwargs)
         self.keep.append(out)
-        if name in _ALLOCATIONS or (func.is_view and _aliases_input(out, args)):
+        if func.is_view and _aliases_input(out, args):
+            return out
+        self.made.append(out)
+        if name in _ALLOCATIONS:
             return out
         if func._schema.is_mutable:  # in place (or out=): the same call writes the same tensors
             self.steps.append((_call, (func, args, kwargs), False))
@@ -96,6 +100,15 @@ def _aliases_input(out: Any, args: tuple) -> bool:
     inputs = {a.untyped_storage().data_ptr() for a in tree_flatten(args)[0] if _is_tensor(a)}
     outs = [o for o in tree_flatten(out)[0] if _is_tensor(o)]
     return all(o.untyped_storage().data_ptr() in inputs for o in outs)
+
+
+def _storage_bytes(values: list[Any]) -> int:
+    storages = {}
+    for t in tree_flatten(values)[0]:
+        if _is_tensor(t):
+            s = t.untyped_storage()
+            storages[s.data_ptr()] = s.nbytes()
+    return sum(storages.values())
 
 
 def _is_tensor(x: object) -> bool:
@@ -124,6 +137,7 @@ class StepGraph:
         self._keep = keep
         self.output = output
         self.capture_seconds = 0.0
+        self.held_bytes = 0  # memory of the tensors the captured step allocated
 
     @property
     def num_launches(self) -> int:
@@ -143,6 +157,7 @@ class StepGraph:
         with cpu_build.recording_launches(record_launch), recorder:
             output = step()
         graph = cls(steps, recorder.keep, output)
+        graph.held_bytes = _storage_bytes(recorder.made)
         graph.capture_seconds = time.perf_counter() - start
         return graph
 

@@ -42,6 +42,7 @@ def test_replay_runs_launches_and_torch_ops_on_new_inputs():
     with torch.inference_mode():
         graph = StepGraph.capture(step)
         assert graph.num_launches == 1 and len(graph.steps) == 4
+        assert graph.held_bytes >= 3 * 64 * (4 + 4 + 8)  # x * 2, the norm's output, float64
         for _ in range(2):
             x.copy_(torch.randn(3, 64))
             out = graph.replay()

@@ -157,6 +157,19 @@ void any_tile(int mb, int nb, const Weights& w, const float* xf, const float* xs
   }
 }
 
+// Rows [m0, m0 + mb) x blocks [b0, b0 + nb) of a tile's fp32 sums (row-major, nb * kLanes
+// wide), plus the bias, into y in its dtype.
+inline void store_tile(const float* out, int mb, int nb, int64_t m0, int64_t b0,
+                       const float* bias, void* y, int y_dtype, int64_t y_stride) {
+  for (int m = 0; m < mb; ++m) {
+    for (int i = 0; i < nb * kLanes; ++i) {
+      const int64_t n = b0 * kLanes + i;
+      const float v = out[m * nb * kLanes + i] + (bias ? bias[n] : 0.f);
+      store(y, y_dtype, (m0 + m) * y_stride + n, v);
+    }
+  }
+}
+
 }  // namespace
 
 // Returns a Status; y must not alias x.
@@ -191,13 +204,7 @@ extern "C" int qserve_w4_gemm(const void* x, int x_dtype, int64_t x_stride, cons
     for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {
       const int mb = static_cast<int>(M - m0 < kMaxRows ? M - m0 : kMaxRows);
       any_tile(mb, nb, w, xf.data(), xs.data(), m0, b0, out);
-      for (int m = 0; m < mb; ++m) {
-        for (int i = 0; i < nb * kLanes; ++i) {
-          const int64_t n = b0 * kLanes + i;
-          const float v = out[m * nb * kLanes + i] + (bias ? bias[n] : 0.f);
-          store(y, x_dtype, (m0 + m) * y_stride + n, v);
-        }
-      }
+      store_tile(out, mb, nb, m0, b0, bias, y, x_dtype, y_stride);
     }
   }
   return kOk;
@@ -298,13 +305,7 @@ extern "C" int qserve_w4a8_gemm(const void* x, int x_dtype, int64_t x_stride, co
                    xs.data() + r * w.num_groups};
       }
       any_tile_q8(mb, nb, w, rows, b0, out);
-      for (int m = 0; m < mb; ++m) {
-        for (int i = 0; i < nb * kLanes; ++i) {
-          const int64_t n = b0 * kLanes + i;
-          const float v = out[m * nb * kLanes + i] + (bias ? bias[n] : 0.f);
-          store(y, x_dtype, (m0 + m) * y_stride + n, v);
-        }
-      }
+      store_tile(out, mb, nb, m0, b0, bias, y, x_dtype, y_stride);
     }
   }
   return kOk;

@@ -153,13 +153,7 @@ def test_bf16_batches_take_a_bf16_gemm_where_it_is_native(monkeypatch, native: b
     x does not go through int8."""
     monkeypatch.setattr(cpu_w4a16, "native_half_matmul", lambda: native)
     monkeypatch.setattr(cpu_w4a16, "int8_activations", lambda dtype: False)
-    dtypes = []
-    dequantize = cpu_w4a16.w4_dequantize_t
-    monkeypatch.setattr(
-        cpu_w4a16,
-        "w4_dequantize_t",
-        lambda w, d=torch.float32: dtypes.append(d) or dequantize(w, d),
-    )
+    dtypes = _record_dequantize(monkeypatch)
     qweight, qzeros, scales, g_idx = gptq_tensors(128, 48, 32, True, False, seed=M)
     w = cpu_w4a16.w4_from_gptq(qweight, qzeros, scales, g_idx)
     x, bias = torch.randn(M, 128).to(torch.bfloat16), torch.randn(48)
@@ -169,6 +163,18 @@ def test_bf16_batches_take_a_bf16_gemm_where_it_is_native(monkeypatch, native: b
     assert out.dtype == torch.bfloat16 and rel_err(out, ref) <= TOL[torch.bfloat16]
     gemm = M >= (cpu_w4a16.NATIVE_BF16_GEMM_MIN_ROWS if native else cpu_w4a16.GEMV_MAX_ROWS + 1)
     assert dtypes == ([torch.bfloat16 if native else torch.float32] if gemm else [])
+
+
+def _record_dequantize(monkeypatch) -> list[torch.dtype]:
+    """The dtypes w4_mm dequantizes to from now on (none: the C++ loop ran)."""
+    dtypes: list[torch.dtype] = []
+    dequantize = cpu_w4a16.w4_dequantize_t
+    monkeypatch.setattr(
+        cpu_w4a16,
+        "w4_dequantize_t",
+        lambda w, d=torch.float32: dtypes.append(d) or dequantize(w, d),
+    )
+    return dtypes
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -198,13 +204,7 @@ def test_int8_activations_keep_all_zero_groups_zero():
 def test_int8_activations_run_the_loop_up_to_its_row_limit(monkeypatch, M: int):
     if not cpu_w4a16.int8_activations(torch.bfloat16):
         pytest.skip("this CPU keeps the exact loop for 16-bit x")
-    dtypes = []
-    dequantize = cpu_w4a16.w4_dequantize_t
-    monkeypatch.setattr(
-        cpu_w4a16,
-        "w4_dequantize_t",
-        lambda w, d=torch.float32: dtypes.append(d) or dequantize(w, d),
-    )
+    dtypes = _record_dequantize(monkeypatch)
     qweight, qzeros, scales, g_idx = gptq_tensors(128, 48, 32, True, False, seed=M)
     w = cpu_w4a16.w4_from_gptq(qweight, qzeros, scales, g_idx)
     x = torch.randn(M, 128).to(torch.bfloat16)

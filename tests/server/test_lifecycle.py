@@ -86,14 +86,17 @@ def _stream_tokens(base_url: str, first_chunk: threading.Event, result: list[obj
 
 
 @contextmanager
-def _serve_process(model_dir: Path, drain_timeout: str) -> Iterator[tuple[subprocess.Popen, str]]:
-    """`qserve serve` in its own process, healthy; on exit: killed if still running, and its
-    stderr must hold no traceback."""
+def serve_process(
+    model_dir: Path, drain_timeout: str, *extra: str, stderr_lines: list[str] | None = None
+) -> Iterator[tuple[subprocess.Popen, str]]:
+    """`qserve serve` (with `extra` options) in its own process, healthy; on exit: killed if
+    still running, and its stderr (its lines appended to `stderr_lines`) must hold no
+    traceback."""
     port = _free_port()
     base_url = f"http://127.0.0.1:{port}"
     command = [sys.executable, "-m", "qserve.cli", "serve", str(model_dir), "--port", str(port),
                "--served-model-name", MODEL_NAME, "--dtype", "float32", "--kv-cache-memory",
-               "1MiB", "--num-threads", "1", "--drain-timeout", drain_timeout]  # fmt: skip
+               "1MiB", "--num-threads", "1", "--drain-timeout", drain_timeout, *extra]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     env.pop("QSERVE_API_KEY", None)
     process = subprocess.Popen(command, env=env, stderr=subprocess.PIPE)
@@ -105,11 +108,13 @@ def _serve_process(model_dir: Path, drain_timeout: str) -> Iterator[tuple[subpro
             process.kill()
             process.wait(10)
         stderr = process.stderr.read().decode() if process.stderr else ""
+    if stderr_lines is not None:
+        stderr_lines += stderr.strip().splitlines()
     assert "Traceback" not in stderr, stderr
 
 
 def test_serve_drains_on_sigterm_and_exits_0(tiny_model_dir: Path) -> None:
-    with _serve_process(tiny_model_dir, "30") as (process, base_url):
+    with serve_process(tiny_model_dir, "30") as (process, base_url):
         first_chunk, result = threading.Event(), []
         client = threading.Thread(target=_stream_tokens, args=(base_url, first_chunk, result))
         client.start()
@@ -132,7 +137,7 @@ def _stream_lines(base_url: str, started: threading.Event, lines: list[str]) -> 
 def test_sigterm_cuts_what_the_drain_window_cannot_finish(tiny_model_dir: Path) -> None:
     """Streams still running after --drain-timeout end with an error event and [DONE]; a plain
     request gets a JSON 503; the server exits 0 without a traceback."""
-    with _serve_process(tiny_model_dir, "0.2") as (process, base_url):
+    with serve_process(tiny_model_dir, "0.2") as (process, base_url):
         streams = [(threading.Event(), []) for _ in range(3)]
         threads = [threading.Thread(target=_stream_lines, args=(base_url, *s)) for s in streams]
         plain: list[httpx.Response] = []

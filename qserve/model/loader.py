@@ -81,8 +81,7 @@ def load_model(
         model = model_class(config)(config)
     stored = read_state_dict(path, dtype, device)
     if tp is not None:
-        stored = tp.shard_state(stored)
-        tp.add_all_reduce(model)
+        stored = tp.shard_state(stored, config.quantization)
     renames = checkpoint_renames(stored, config)
     checkpoint_name = checkpoint_namer(renames)
     state = moe_checkpoint_tensors(stored, config, renames)
@@ -91,6 +90,8 @@ def load_model(
         routers = functools.partial(is_router, model)  # dense in every scheme, as in vLLM
         swap_quant_linears(model, config.quantization, state, checkpoint_name, routers)
     _assign_weights(model, state, source=str(path))
+    if tp is not None:  # on the modules that run: quantized linears replaced the dense ones
+        tp.add_all_reduce(model)
     for module in model.modules():
         if isinstance(module, RotaryEmbedding):
             module.init_cache(device)

@@ -10,12 +10,13 @@ ends a step with the whole hidden state and the whole logits.
     state = shard_state(checkpoint_state, tp)  # `shard.column_shard` / `row_shard`
     add_all_reduce(model, tp)  # after o_proj and down_proj
 
-`loader.load_model(..., tp=TPRank(rank, world))` does all three. Dense checkpoints of the
-Llama family with separate q/k/v and gate/up modules only, and a world that divides the KV heads;
-what is not there yet is refused in one line: quantized checkpoints (the shard functions exist,
-the loader does not take them yet), KV heads replicated across ranks, Phi-3's fused modules,
-mixtures of experts, vocab-parallel embeddings. The engine's `--tensor-parallel-size` runs
-ranks 1.. in worker processes (`workers`).
+`loader.load_model(..., tp=TPRank(rank, world))` does all three. The Llama family with
+separate q/k/v and gate/up modules, and a world that divides the heads, KV heads and MLP width;
+dense, GPTQ, AWQ and W8 checkpoints, each linear cut in its own format (`shard`). What is not
+there yet is refused in one line: act-order GPTQ cut along K, compressed-tensors' packed 4-bit
+layout, KV heads replicated across ranks, Phi-3's fused modules, mixtures of experts,
+vocab-parallel embeddings. The engine's `--tensor-parallel-size` runs ranks 1.. in worker
+processes (`workers`).
 """
 
 from __future__ import annotations
@@ -53,8 +54,10 @@ class TPRank:
     def rank_config(self, config: ModelConfig) -> ModelConfig:
         return rank_config(config, self)
 
-    def shard_state(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return shard_state(state, self)
+    def shard_state(
+        self, state: dict[str, torch.Tensor], quantization: Any = None
+    ) -> dict[str, torch.Tensor]:
+        return shard_state(state, self, quantization)
 
     def add_all_reduce(self, model: nn.Module) -> int:
         return add_all_reduce(model, self)
@@ -64,8 +67,6 @@ def rank_config(config: ModelConfig, tp: TPRank) -> ModelConfig:
     """The model config of one rank: its share of the attention heads, KV heads and MLP width.
     A QServeError names what does not split (vLLM refuses the same)."""
     w = tp.world
-    if config.quantization is not None:
-        raise QServeError("tensor parallelism takes dense checkpoints only so far")
     if config.family != "llama":
         raise QServeError(f"tensor parallelism does not take {config.architecture} yet")
     if config.num_experts:
@@ -90,9 +91,12 @@ def rank_config(config: ModelConfig, tp: TPRank) -> ModelConfig:
     )
 
 
-def shard_state(state: dict[str, torch.Tensor], tp: TPRank) -> dict[str, torch.Tensor]:
-    """Rank `tp.rank`'s share of a dense checkpoint's tensors: q/k/v and gate/up cut along
-    their outputs, o_proj and down_proj along their inputs (bias on rank 0), the rest whole."""
+def shard_state(
+    state: dict[str, torch.Tensor], tp: TPRank, quantization: Any = None
+) -> dict[str, torch.Tensor]:
+    """Rank `tp.rank`'s share of a checkpoint's tensors: q/k/v and gate/up cut along their
+    outputs, o_proj and down_proj along their inputs (bias on rank 0), the rest whole. Each
+    linear in its checkpoint format (`quantization`: the config's QuantScheme, None: dense)."""
     modules: dict[str, dict[str, torch.Tensor]] = {}
     out: dict[str, torch.Tensor] = {}
     for name, tensor in state.items():
@@ -102,14 +106,34 @@ def shard_state(state: dict[str, torch.Tensor], tp: TPRank) -> dict[str, torch.T
         else:
             out[name] = tensor
     for prefix, tensors in modules.items():
+        fmt, group_size = shard_format(prefix, tensors, quantization)
         if prefix.rpartition(".")[2] in COLUMN:
-            part = column_shard(tensors, "dense", tp.rank, tp.world, name=prefix)
+            part = column_shard(tensors, fmt, tp.rank, tp.world, name=prefix)
         else:  # the model's module has a bias on every rank: zeros where rank 0 adds it
-            part = row_shard(tensors, "dense", tp.rank, tp.world, name=prefix)
+            part = row_shard(tensors, fmt, tp.rank, tp.world, group_size, name=prefix)
             if "bias" in tensors and "bias" not in part:
                 part["bias"] = torch.zeros_like(tensors["bias"])
         out.update((f"{prefix}.{suffix}", t) for suffix, t in part.items())
     return out
+
+
+def shard_format(
+    prefix: str, tensors: dict[str, torch.Tensor], quantization: Any
+) -> tuple[str, int]:
+    """(`shard` format, group size) of one linear's checkpoint tensors. Refuses in one line
+    what the shards or the kernels cannot take yet: act-order GPTQ cut along K (a rank's
+    channels would hold parts of groups) and compressed-tensors' packed 4-bit layout."""
+    scheme = None if quantization is None else quantization.for_module(prefix)
+    if scheme is None:
+        return "dense", -1
+    if "weight_packed" in tensors:
+        raise QServeError(f"{prefix}: tensor parallelism does not take pack-quantized weights yet")
+    if scheme.desc_act and prefix.rpartition(".")[2] in ROW:
+        raise QServeError(
+            f"{prefix}: tensor parallelism does not take act-order GPTQ (desc_act) yet"
+        )
+    fmt = {"gptq": "gptq", "awq": "awq"}.get(scheme.format, "w8")
+    return fmt, scheme.group_size
 
 
 def add_all_reduce(model: nn.Module, tp: TPRank) -> int:

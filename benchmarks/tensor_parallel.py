@@ -1,17 +1,17 @@
-"""Tensor parallelism on one machine's CPU (issue 24): decode and a short workload at TP=1 and
-TP=2, with the weight memory each rank holds, in one run.
+"""Tensor and pipeline parallelism on one machine's CPU (issue 24): decode and a short workload
+at TP=1, TP=2 and PP=2, with the weight memory each rank holds, in one run.
 
     python benchmarks/tensor_parallel.py [--model qwen2.5-coder-0.5b] [--dtype float32]
         [--batch-sizes 1 8] [--prompt-len 64] [--steps 16] [--num-requests 16]
         [--output benchmarks/results/tensor_parallel.json]
 
-Rows: TP=1 with one thread, TP=1 with two threads (the whole machine in one process), and TP=2
-with one thread per rank (gloo between two processes). Decode: B requests of --prompt-len
+Rows: TP=1 with one thread, TP=1 with two threads (the whole machine in one process), TP=2 and
+PP=2 with one thread per rank (gloo between two processes). Decode: B requests of --prompt-len
 tokens, stepped once each is past its prompt, the median of --steps steps (`throughput.py`'s
 steady-state measurement). Workload: --num-requests requests of 32-256 prompt and 16-64 output
 tokens added at once, output tokens/s to completion. Weights: the bytes of rank 0's parameters
-and buffers (every rank holds the same amount). NCCL on GPUs is not built: CPU only.
-Prints a table and writes JSON.
+and buffers (every TP rank holds the same; PP stage 0 holds the most layers). NCCL on GPUs is
+not built: CPU only. Prints a table and writes JSON.
 """
 
 from __future__ import annotations
@@ -33,7 +33,13 @@ from benchmarks.results_file import run_and_report, run_arguments  # noqa: E402
 from benchmarks.workload import WorkloadConfig, make_workload  # noqa: E402
 
 DEFAULT_OUTPUT = Path(__file__).resolve().parent / "results" / "tensor_parallel.json"
-CONFIGS = [("TP=1, 1 thread", 1, 1), ("TP=1, 2 threads", 1, 2), ("TP=2, 1 thread/rank", 2, 1)]
+# (label, tensor-parallel size, pipeline-parallel size, threads per rank)
+CONFIGS = [
+    ("TP=1, 1 thread", 1, 1, 1),
+    ("TP=1, 2 threads", 1, 1, 2),
+    ("TP=2, 1 thread/rank", 2, 1, 1),
+    ("PP=2, 1 thread/rank", 1, 2, 1),
+]
 
 
 def weight_mb(model: torch.nn.Module) -> float:
@@ -41,11 +47,12 @@ def weight_mb(model: torch.nn.Module) -> float:
     return sum(t.numel() * t.element_size() for t in tensors.values()) / 1e6
 
 
-def make_llm(model: str, dtype: str, tp: int, threads: int, max_num_seqs: int) -> Any:
+def make_llm(model: str, dtype: str, tp: int, pp: int, threads: int, max_num_seqs: int) -> Any:
     from qserve import LLM
 
-    return LLM(model, dtype=dtype, tensor_parallel_size=tp, num_threads=threads,
-               max_num_seqs=max_num_seqs, kv_cache_memory="512MiB")  # fmt: skip
+    return LLM(model, dtype=dtype, tensor_parallel_size=tp, pipeline_parallel_size=pp,
+               num_threads=threads, max_num_seqs=max_num_seqs,
+               kv_cache_memory="512MiB")  # fmt: skip
 
 
 def decode_ms(llm: Any, prompts: list[list[int]], steps: int) -> float:
@@ -80,13 +87,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     tokenizer = load_tokenizer(path)
     requests = make_workload(tokenizer, WorkloadConfig(args.num_requests, 32, 256, 16, 64, 0))
     rows = []
-    for label, tp, threads in CONFIGS:
+    for label, tp, pp, threads in CONFIGS:
         print(f"{label} ...", flush=True)
         torch.set_num_threads(threads)
-        llm = make_llm(str(path), args.dtype, tp, threads, max(args.batch_sizes))
+        llm = make_llm(str(path), args.dtype, tp, pp, threads, max(args.batch_sizes))
         try:
             mb = weight_mb(llm.engine.model_runner.model)
-            row: dict[str, Any] = {"label": label, "tp": tp, "threads_per_rank": threads,
+            row: dict[str, Any] = {"label": label, "tp": tp, "pp": pp, "threads_per_rank": threads,
                                    "weight_mb_per_rank": mb}  # fmt: skip
             for b in args.batch_sizes:
                 prompts = throughput.decode_prompts(tokenizer, _decode_args(args), b)

@@ -75,6 +75,9 @@ class EngineConfig:
     tensor_parallel_size: Annotated[int, Range(1)] = setting(
         1, "Processes that each run a shard of every layer (CPU, gloo; dense Llama family)."
     )
+    pipeline_parallel_size: Annotated[int, Range(1)] = setting(
+        1, "Processes that each run a range of the layers (CPU, gloo; Llama family, no MoE)."
+    )
     enforce_eager: bool = setting(
         False, "Run every step eagerly (no captured decode-step graphs; they are CPU-only)."
     )

@@ -1,8 +1,9 @@
-"""Tensor parallelism in the engine (issue 24, `qserve.parallel.workers`): `LLM(...,
-tensor_parallel_size=2)` runs rank 1 in a worker process over gloo; its greedy output and
-logprobs equal one process's for prompts of mixed lengths, also under chunked prefill and
-preemption; what does not split is refused in one line before anything starts; a worker that
-dies makes the next step fail in one line, and closing leaves no process behind."""
+"""Tensor and pipeline parallelism in the engine (issue 24, `qserve.parallel.workers`):
+`LLM(..., tensor_parallel_size=2)` or `pipeline_parallel_size=2` runs rank 1 in a worker process
+over gloo; greedy output and logprobs equal one process's for prompts of mixed lengths, also
+under chunked prefill and preemption (and for quantized checkpoints); what does not split is
+refused in one line before anything starts; a worker that dies makes the next step fail in
+one line, and closing leaves no process behind."""
 
 from __future__ import annotations
 
@@ -15,17 +16,24 @@ import torch
 from qserve.engine.llm import LLM
 from qserve.engine.sampling_params import SamplingParams
 from qserve.errors import QServeError
+from qserve.model.config import ModelConfig
 from tests.tiny import byte_bpe_tokenizer, save_tiny_llama
 from tests.tiny_models import build_tiny_model
 
 PROMPT_LENS = [5, 40, 25, 70, 1, 33]
 MAX_TOKENS = 12
-BLOCK_BYTES = 2 * 16 * 2 * 16 * 4 * 2  # K and V, 16 tokens, 2 KV heads of 16, fp32, 2 layers
+LAYER_BLOCK_BYTES = 2 * 16 * 2 * 16 * 4  # K and V, 16 tokens, 2 KV heads of 16, fp32
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> Path:
     return save_tiny_llama(tmp_path_factory.mktemp("tp") / "llama")
+
+
+@pytest.fixture(scope="module")
+def deep_model_dir(tmp_path_factory) -> Path:
+    """The tiny Llama with 3 layers: pipeline stages of 2 and 1."""
+    return save_tiny_llama(tmp_path_factory.mktemp("tp") / "llama-3", num_layers=3)
 
 
 @pytest.fixture(scope="module")
@@ -44,10 +52,15 @@ def prompts() -> list[list[int]]:
     return [torch.randint(3, 900, (n,), generator=gen).tolist() for n in PROMPT_LENS]
 
 
-def _run(model_dir: Path, prompts: list[list[int]], tp: int, **args) -> tuple[list, list, LLM]:
-    if "kv_blocks" in args:  # a rank's blocks hold 1/tp of the KV heads: as many blocks
-        args["kv_cache_memory"] = args.pop("kv_blocks") * BLOCK_BYTES // tp
-    llm = LLM(str(model_dir), dtype="float32", num_threads=1, tensor_parallel_size=tp, **args)
+def _run(
+    model_dir: Path, prompts: list[list[int]], tp: int = 1, pp: int = 1, **args
+) -> tuple[list, list, LLM]:
+    if "kv_blocks" in args:  # as many blocks as one process: a TP rank's hold 1/tp of the KV
+        layers = ModelConfig.from_pretrained(model_dir).num_hidden_layers  # heads, a PP stage's
+        stage0 = -(-layers // pp)  # its layers (stage 0 has the most)
+        args["kv_cache_memory"] = args.pop("kv_blocks") * LAYER_BLOCK_BYTES * stage0 // tp
+    llm = LLM(str(model_dir), dtype="float32", num_threads=1, tensor_parallel_size=tp,
+              pipeline_parallel_size=pp, **args)  # fmt: skip
     try:
         params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=3)
         outs = [o.outputs[0] for o in llm.generate(prompts, params)]
@@ -79,21 +92,30 @@ def _assert_same(one: tuple, two: tuple, tol: float = 1e-4) -> None:
     ],
     ids=["roomy", "chunked-prefill", "preemption"],
 )
-def test_tp2_equals_one_process(model_dir, prompts, args):
-    one = _run(model_dir, prompts, 1, **dict(args))
-    two = _run(model_dir, prompts, 2, **dict(args))
+@pytest.mark.parametrize("split", [dict(tp=2), dict(pp=2)], ids=["tp2", "pp2"])
+def test_two_processes_equal_one(deep_model_dir, prompts, args, split):
+    one = _run(deep_model_dir, prompts, **dict(args))
+    two = _run(deep_model_dir, prompts, **split, **dict(args))
     _assert_same(one, two)
     if "max_model_len" in args:
         assert two[2].engine.scheduler.num_preemptions > 0
     assert all(not p.is_alive() for p in two[2].engine.workers.procs)
 
 
-def test_what_does_not_split_is_refused_before_starting(model_dir):
-    with pytest.raises(QServeError, match="do not split over --tensor-parallel-size 3") as info:
-        LLM(str(model_dir), dtype="float32", tensor_parallel_size=3)
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (dict(tensor_parallel_size=3), "do not split over --tensor-parallel-size 3"),
+        (dict(pipeline_parallel_size=3), "more stages than the model's 2 decoder layers"),
+        (dict(tensor_parallel_size=2, pipeline_parallel_size=2), "not combined yet"),
+        (dict(device="cuda", tensor_parallel_size=2), "CPU"),
+    ],
+    ids=["tp-heads", "pp-layers", "tp-and-pp", "cuda"],
+)
+def test_what_does_not_split_is_refused_before_starting(model_dir, args, message):
+    with pytest.raises(QServeError, match=message) as info:
+        LLM(str(model_dir), dtype="float32", **args)
     assert "\n" not in str(info.value)
-    with pytest.raises(QServeError, match="CPU"):
-        LLM(str(model_dir), device="cuda", tensor_parallel_size=2)
 
 
 def test_a_dead_worker_fails_the_next_step_in_one_line(model_dir, prompts):
@@ -126,9 +148,11 @@ def test_quantized_tp2_equals_one_process(wide_model_dir, prompts, tmp_path, set
     from qserve.quantize.settings import QuantizeSettings
 
     folder = quantize_model(wide_model_dir, tmp_path / "q", QuantizeSettings(**settings))
-    one = _run(folder, prompts, 1, kv_cache_memory="16MiB")
-    two = _run(folder, prompts, 2, kv_cache_memory="16MiB")
+    one = _run(folder, prompts, kv_cache_memory="16MiB")
+    two = _run(folder, prompts, tp=2, kv_cache_memory="16MiB")
     _assert_same(one, two, tol)
+    if settings["method"] == "rtn":  # stages load their layers' quantized tensors as they are
+        _assert_same(one, _run(folder, prompts, pp=2, kv_cache_memory="16MiB"))
 
 
 def test_act_order_cut_along_k_is_refused(wide_model_dir, tmp_path):

@@ -6,6 +6,7 @@ equal the one-process model's (up to fp32 summation order: the all-reduce adds t
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -137,3 +138,22 @@ def _config() -> ModelConfig:
         tie_word_embeddings=False, attention_bias=False, o_proj_bias=False, mlp_bias=False,
         eos_token_ids=[0], torch_dtype=torch.float32,
     )  # fmt: skip
+
+
+def test_pipeline_stages_split_the_layers_and_rename_them() -> None:
+    from qserve.parallel.pipeline_parallel import PPRank, stage_layers
+
+    assert [stage_layers(7, r, 3) for r in range(3)] == [(0, 3), (3, 5), (5, 7)]
+    assert [stage_layers(4, r, 2) for r in range(2)] == [(0, 2), (2, 4)]
+    state = {f"model.layers.{i}.mlp.up_proj.weight": torch.full((1,), float(i)) for i in range(4)}
+    state["model.norm.weight"] = torch.ones(1)
+    stage = PPRank(1, 2, 4).shard_state(state)
+    assert sorted(stage) == [
+        "model.layers.0.mlp.up_proj.weight", "model.layers.1.mlp.up_proj.weight",
+        "model.norm.weight",
+    ]  # fmt: skip
+    assert stage["model.layers.0.mlp.up_proj.weight"].item() == 2.0
+    four_layers = dataclasses.replace(_config(), num_hidden_layers=4)
+    assert PPRank(1, 2, 4).rank_config(four_layers).num_hidden_layers == 2
+    with pytest.raises(QServeError, match="more stages than"):
+        PPRank(0, 5, 4)

@@ -42,6 +42,7 @@ from qserve.model.config import ModelConfig
 from qserve.model.loader import LoadReport, load_model, load_tokenizer
 from qserve.model.quant import activation_dtype
 from qserve.model.resolve import resolve_model
+from qserve.parallel.pipeline_parallel import PPRank
 from qserve.parallel.tensor_parallel import TPRank
 from qserve.parallel.workers import start_workers
 
@@ -58,16 +59,16 @@ class LLMEngine:
         self.dtype = config.torch_dtype(self.model_config.torch_dtype)
         if self.model_config.quantization is not None and config.dtype == "auto":
             self.dtype = activation_dtype(self.model_config.torch_dtype, config.device)
-        self.workers, tp = start_workers(config, path, self.dtype, self.model_config)
+        self.workers, tp, pp = start_workers(config, path, self.dtype, self.model_config)
         try:
-            self._load(path, tp)
+            self._load(path, tp, pp)
         except BaseException:
             self.close()
             raise
 
-    def _load(self, path: Any, tp: TPRank | None) -> None:
+    def _load(self, path: Any, tp: TPRank | None, pp: PPRank | None) -> None:
         config = self.config
-        model, rank_config = load_model(path, self.dtype, config.device, tp=tp)
+        model, rank_config = load_model(path, self.dtype, config.device, tp=tp, pp=pp)
         self.load_report: LoadReport = model.load_report
         self.tokenizer = load_tokenizer(path)
         self.eos_token_ids = self.model_config.eos_token_ids

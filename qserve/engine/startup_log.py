@@ -62,5 +62,7 @@ def _decode_mode(engine: LLMEngine) -> str:
     if engine.config.enforce_eager:
         return "eager (--enforce-eager)"
     if engine.workers is not None:
-        return f"eager (tensor parallel over {engine.config.tensor_parallel_size} processes)"
+        c = engine.config
+        kind = "tensor" if c.tensor_parallel_size > 1 else "pipeline"
+        return f"eager ({kind} parallel over {engine.workers.args.world} processes)"
     return f"eager (step graphs are CPU-only; {engine.config.device} runs eager)"

@@ -11,6 +11,8 @@ modules (q, k, v and gate, up in that order along the output dim), quantized as 
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -167,6 +169,9 @@ class LlamaModel(nn.Module):
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config)
+        # a pipeline-parallel stage (qserve.parallel.pipeline_parallel.PPRank): its layers
+        # take the previous stage's states and pass theirs on; None: the whole model here
+        self.stage: Any = None
 
     def forward(
         self,
@@ -175,14 +180,21 @@ class LlamaModel(nn.Module):
         kv_caches: list[torch.Tensor],
         attn_metadata: AttentionMetadata,
     ) -> torch.Tensor:
+        stage = self.stage
         hidden = self.embed_tokens(input_ids)  # [num_tokens, hidden]
-        rope = self.rotary_emb(positions, attn_metadata)
         residual = None
+        if stage is not None and not stage.is_first:
+            hidden, residual = stage.recv(hidden)
+        rope = self.rotary_emb(positions, attn_metadata)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden, residual = layer(hidden, residual, rope, kv_cache, attn_metadata)
-        if residual is None:  # no layers
-            return self.norm(hidden)
-        return self.norm(hidden, residual)[0]
+        if stage is not None and not stage.is_last:
+            stage.send(hidden, residual)
+            return stage.recv_final(hidden) if stage.is_first else hidden
+        out = self.norm(hidden) if residual is None else self.norm(hidden, residual)[0]
+        if stage is not None and not stage.is_first:
+            stage.send_final(out)
+        return out
 
 
 class LlamaForCausalLM(nn.Module):

@@ -34,6 +34,7 @@ from qserve.model.rotary import RotaryEmbedding
 from qserve.quantize.export import PROVENANCE_FILE
 
 if TYPE_CHECKING:  # qserve.parallel builds on the model code, not the reverse
+    from qserve.parallel.pipeline_parallel import PPRank
     from qserve.parallel.tensor_parallel import TPRank
 
 logger = logging.getLogger("qserve")
@@ -65,23 +66,33 @@ class LoadReport:
 
 
 def load_model(
-    path: Path, dtype: torch.dtype, device: str = "cpu", tp: TPRank | None = None
+    path: Path,
+    dtype: torch.dtype,
+    device: str = "cpu",
+    tp: TPRank | None = None,
+    pp: PPRank | None = None,
 ) -> tuple[LlamaForCausalLM, ModelConfig]:
     """Build the model of `path/config.json` and fill it from the folder's safetensors.
 
     Quantized checkpoints: the linears the scheme names are swapped for `QuantLinear`s before
     the tensors are assigned, then repacked once for their kernel. The choices are left in
     `model.load_report` (a LoadReport). With `tp`, rank tp.rank's share of the model
-    (`qserve.parallel.tensor_parallel`); the config returned is that rank's."""
+    (`qserve.parallel.tensor_parallel`); with `pp`, stage pp.rank's layers
+    (`qserve.parallel.pipeline_parallel`); the config returned is that rank's."""
     path = Path(path)
     config = ModelConfig.from_pretrained(path)
     if tp is not None:
         config = tp.rank_config(config)
+    if pp is not None:
+        config = pp.rank_config(config)
     with torch.device("meta"):
         model = model_class(config)(config)
     stored = read_state_dict(path, dtype, device)
     if tp is not None:
         stored = tp.shard_state(stored, config.quantization)
+    if pp is not None:
+        stored = pp.shard_state(stored)
+        pp.attach(model)
     renames = checkpoint_renames(stored, config)
     checkpoint_name = checkpoint_namer(renames)
     state = moe_checkpoint_tensors(stored, config, renames)

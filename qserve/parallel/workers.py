@@ -1,11 +1,14 @@
-"""Tensor-parallel worker processes (issue 24): ranks 1 .. N-1 of `--tensor-parallel-size N`.
+"""Worker processes (issue 24): ranks 1 .. N-1 of `--tensor-parallel-size N` or
+`--pipeline-parallel-size N`.
 
 Rank 0 is the engine's own process: it runs the scheduler, builds each step's batch and, before
 its own forward, broadcasts the batch to the workers as plain data (`StepMessage`: token ids,
 positions and the attention metadata as tensors and lists, plus the step's block copies) with
-`torch.distributed.broadcast_object_list`. Every rank then runs its shard of the forward; the
-all-reduces after o_proj and down_proj (`tensor_parallel.add_all_reduce`) meet across the
-ranks. Embeddings and lm_head are replicated, so rank 0 alone computes logits and samples.
+`torch.distributed.broadcast_object_list`. Every rank then runs its part of the forward: with
+tensor parallelism its shard of every layer, the all-reduces after o_proj and down_proj
+(`tensor_parallel.add_all_reduce`) meeting across the ranks; with pipeline parallelism its
+range of layers, the states passed on point to point (`pipeline_parallel`). Embeddings and
+lm_head are whole on every rank, and rank 0 alone computes logits and samples.
 
 Processes are spawned (fresh interpreters) and meet over gloo on CPU through a TCP store on a
 free loopback port; each rank holds only its shard of the weights and its own KV cache, with
@@ -21,6 +24,7 @@ parallelism runs on one machine's CPU.
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import datetime
 import logging
 import os
@@ -65,6 +69,7 @@ class WorkerArgs:
     num_threads: int
     world: int
     port: int
+    kind: str = "tensor"  # tensor | pipeline: how the ranks split the model
 
 
 def free_port() -> int:
@@ -181,23 +186,30 @@ class TPWorkers:
 
 def start_workers(
     config: Any, path: Any, dtype: torch.dtype, model_config: Any
-) -> tuple[TPWorkers | None, Any]:
-    """For `config.tensor_parallel_size` N > 1: check that the model splits N ways (one line
-    if not, before anything starts), set this process's threads, spawn ranks 1 .. N-1 and join
-    the group as rank 0. (None, None) for N = 1."""
+) -> tuple[TPWorkers | None, Any, Any]:
+    """For `config.tensor_parallel_size` or `pipeline_parallel_size` N > 1: check that the
+    model splits N ways (one line if not, before anything starts), set this process's threads,
+    spawn ranks 1 .. N-1 and join the group as rank 0. Returns (workers, rank 0's TPRank or
+    None, its PPRank or None); (None, None, None) for one process."""
+    from qserve.parallel.pipeline_parallel import PPRank
     from qserve.parallel.tensor_parallel import TPRank
 
-    world = config.tensor_parallel_size
-    if world == 1:
-        return None, None
+    tp_size, pp_size = config.tensor_parallel_size, config.pipeline_parallel_size
+    if tp_size == pp_size == 1:
+        return None, None, None
+    if tp_size > 1 and pp_size > 1:
+        raise QServeError("tensor and pipeline parallelism are not combined yet: set one of them")
     if not config.device.startswith("cpu"):
-        raise QServeError("tensor parallelism runs on CPU (gloo) so far, not on CUDA")
-    tp = TPRank(0, world)
-    tp.rank_config(model_config)  # refuses what does not split
+        raise QServeError("tensor and pipeline parallelism run on CPU (gloo) so far, not on CUDA")
+    world = max(tp_size, pp_size)
+    kind = "tensor" if tp_size > 1 else "pipeline"
+    tp = TPRank(0, world) if kind == "tensor" else None
+    pp = PPRank(0, world, model_config.num_hidden_layers) if kind == "pipeline" else None
+    (tp or pp).rank_config(model_config)  # refuses what does not split
     threads = threads_per_rank(config.num_threads, world)
     torch.set_num_threads(threads)
-    args = WorkerArgs(str(path), dtype, config.device, threads, world, free_port())
-    return TPWorkers(args), tp
+    args = WorkerArgs(str(path), dtype, config.device, threads, world, free_port(), kind)
+    return TPWorkers(args), tp, pp
 
 
 def worker_main(rank: int, args: WorkerArgs) -> None:
@@ -215,16 +227,24 @@ def _serve(rank: int, args: WorkerArgs) -> None:
     import torch.distributed as dist
 
     from qserve.engine.model_runner import ModelRunner
+    from qserve.model.config import ModelConfig
     from qserve.model.loader import load_model
+    from qserve.parallel.pipeline_parallel import PPRank
     from qserve.parallel.tensor_parallel import TPRank
 
     torch.set_num_threads(args.num_threads)
     init_group(rank, args.world, args.port)
-    tp = TPRank(rank, args.world)
-    model, config = load_model(args.model_path, args.dtype, args.device, tp=tp)
+    if args.kind == "pipeline":
+        num_layers = ModelConfig.from_pretrained(args.model_path).num_hidden_layers
+        pp = PPRank(rank, args.world, num_layers)
+        model, config = load_model(args.model_path, args.dtype, args.device, pp=pp)
+    else:
+        tp = TPRank(rank, args.world)
+        model, config = load_model(args.model_path, args.dtype, args.device, tp=tp)
     box: list[Any] = [None]
-    dist.broadcast_object_list(box, src=0)  # rank 0's KV cache spec (same number of blocks)
-    runner = ModelRunner(model, config, box[0], args.device)
+    dist.broadcast_object_list(box, src=0)  # rank 0's KV cache spec: the same number of blocks
+    kv_spec = dataclasses.replace(box[0], num_layers=config.num_hidden_layers)  # its own layers
+    runner = ModelRunner(model, config, kv_spec, args.device)
     while True:
         dist.broadcast_object_list(box, src=0)
         if box[0] is None:

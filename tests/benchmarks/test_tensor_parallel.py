@@ -17,7 +17,10 @@ def test_rows_and_weights_per_rank(tmp_path: Path) -> None:
             "--num-requests", "3", "--output", str(out)]  # fmt: skip
     assert tensor_parallel.main(argv) == 0
     rows = json.loads(out.read_text())["rows"]
-    assert [(r["tp"], r["threads_per_rank"]) for r in rows] == [(1, 1), (1, 2), (2, 1)]
+    assert [(r["tp"], r["pp"], r["threads_per_rank"]) for r in rows] == [
+        (1, 1, 1), (1, 1, 2), (2, 1, 1), (1, 2, 1),
+    ]  # fmt: skip
     for r in rows:
         assert r["decode_ms_b1"] > 0 and r["decode_ms_b2"] > 0 and r["workload_tokens_per_s"] > 0
     assert rows[2]["weight_mb_per_rank"] < rows[0]["weight_mb_per_rank"]
+    assert rows[3]["weight_mb_per_rank"] < rows[0]["weight_mb_per_rank"]

@@ -17,8 +17,10 @@ the KV heads). A worker that dies is noticed before the next step (`check_alive`
 collective failing; either way the engine raises one line. `close()` (at engine close, or at
 exit) sends the stop message, joins the workers and ends the process group.
 
-Several machines (the `env://` rendezvous) and NCCL on CUDA are not built yet: tensor
-parallelism runs on one machine's CPU.
+Ranks on several machines: a launcher (torchrun, or RANK / WORLD_SIZE / MASTER_ADDR /
+MASTER_PORT by hand) starts every rank; nothing is spawned then, all join through `env://`,
+and a rank > 0 runs the worker loop and ends its process (`launched_rank`). NCCL on CUDA is
+not built: the ranks run on CPUs.
 """
 
 from __future__ import annotations
@@ -68,7 +70,7 @@ class WorkerArgs:
     device: str
     num_threads: int
     world: int
-    port: int
+    port: int | None  # None: the launcher's env:// rendezvous
     kind: str = "tensor"  # tensor | pipeline: how the ranks split the model
 
 
@@ -78,16 +80,36 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_group(rank: int, world: int, port: int) -> None:
+def init_group(rank: int, world: int, port: int | None) -> None:
+    """Join the gloo group: on a loopback port rank 0 picked, or (port None) through the
+    launcher's env:// rendezvous (MASTER_ADDR, MASTER_PORT)."""
     import torch.distributed as dist
 
     dist.init_process_group(
         "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
+        init_method="env://" if port is None else f"tcp://127.0.0.1:{port}",
         rank=rank,
         world_size=world,
         timeout=COLLECTIVE_TIMEOUT,
     )
+
+
+def launched_rank(world: int, kind: str) -> int | None:
+    """This process's rank when a launcher started every rank (torchrun, or RANK / WORLD_SIZE /
+    MASTER_ADDR / MASTER_PORT set by hand, one process per rank, on any machines); None when
+    rank 0 is to spawn the others here."""
+    env = os.environ
+    if int(env.get("WORLD_SIZE", "1")) <= 1:
+        return None
+    if int(env["WORLD_SIZE"]) != world:
+        raise QServeError(
+            f"WORLD_SIZE {env['WORLD_SIZE']} (from the launcher) is not "
+            f"--{kind}-parallel-size {world}"
+        )
+    missing = [k for k in ("RANK", "MASTER_ADDR", "MASTER_PORT") if k not in env]
+    if missing:
+        raise QServeError(f"WORLD_SIZE is set but {', '.join(missing)} is not")
+    return int(env["RANK"])
 
 
 def threads_per_rank(num_threads: int | None, world: int) -> int:
@@ -108,9 +130,10 @@ class TPWorkers:
             )
         self.args = args
         ctx = mp.get_context("spawn")
+        ranks = range(1, args.world) if args.port is not None else ()  # else: launched
         self.procs = [
             ctx.Process(target=worker_main, args=(rank, args), daemon=True, name=f"qserve-tp{rank}")
-            for rank in range(1, args.world)
+            for rank in ranks
         ]
         for p in self.procs:
             p.start()
@@ -206,9 +229,15 @@ def start_workers(
     tp = TPRank(0, world) if kind == "tensor" else None
     pp = PPRank(0, world, model_config.num_hidden_layers) if kind == "pipeline" else None
     (tp or pp).rank_config(model_config)  # refuses what does not split
-    threads = threads_per_rank(config.num_threads, world)
+    launched = launched_rank(world, kind)
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if launched is not None else world
+    threads = threads_per_rank(config.num_threads, local)  # ranks on this machine share it
     torch.set_num_threads(threads)
-    args = WorkerArgs(str(path), dtype, config.device, threads, world, free_port(), kind)
+    port = free_port() if launched is None else None
+    args = WorkerArgs(str(path), dtype, config.device, threads, world, port, kind)
+    if launched:  # a launched rank > 0: serve rank 0's steps, then end the process
+        worker_main(launched, args)
+        sys.exit(0)
     return TPWorkers(args), tp, pp
 
 

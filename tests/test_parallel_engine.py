@@ -165,3 +165,24 @@ def test_act_order_cut_along_k_is_refused(wide_model_dir, tmp_path):
     with pytest.raises(QServeError, match="act-order") as info:
         LLM(str(folder), dtype="float32", num_threads=1, tensor_parallel_size=2)
     assert "\n" not in str(info.value)
+
+
+def test_prompt_logprobs_and_vocab_parallel_lm_head(deep_model_dir, prompts):
+    """The tiny vocabulary (1000) splits over 2 ranks: each holds half the embedding and lm_head
+    rows, and the prompt logprobs rank 0 computes (in 128-row chunks) gather every rank's."""
+    params = SamplingParams(temperature=0, max_tokens=3, prompt_logprobs=2, ignore_eos=True)
+    outs = {}
+    for tp in (1, 2):
+        llm = LLM(str(deep_model_dir), dtype="float32", num_threads=1, tensor_parallel_size=tp,
+                  max_num_batched_tokens=64)  # fmt: skip
+        try:
+            outs[tp] = llm.generate(prompts, params)
+            embed = llm.engine.model_runner.model.model.embed_tokens.weight
+            assert embed.shape[0] == 1000 // tp
+        finally:
+            llm.engine.close()
+    for a, b in zip(outs[1], outs[2]):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for la, lb in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:]):
+            assert la.top_token_ids == lb.top_token_ids
+            assert la.logprob == pytest.approx(lb.logprob, abs=1e-4)

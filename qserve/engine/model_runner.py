@@ -130,9 +130,12 @@ class ModelRunner:
     def _execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
         self.copy_blocks(out.blocks_to_copy)
         batch = self.prepare_inputs(out.scheduled)
-        if self.workers is not None:  # tensor parallel: the other ranks run the same forward
-            md = batch.attn_metadata
-            self.workers.send(StepMessage(batch.input_ids, batch.positions, md, out.blocks_to_copy))
+        if self.workers is not None:  # the other ranks run their part of the same step
+            rows = batch.logits_indices if batch.sampling_rows else None
+            self.workers.send(
+                StepMessage(batch.input_ids, batch.positions, batch.attn_metadata,
+                            out.blocks_to_copy, rows, batch.prompt_spans)
+            )  # fmt: skip
         logits, prompt_logprobs = self.graph_logits(batch), {}
         if logits is None:
             md = batch.attn_metadata
@@ -155,10 +158,22 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run_forward(self, message: StepMessage) -> None:
-        """A tensor-parallel worker's step: rank 0's batch through this rank's shard (no
-        logits: rank 0 computes them from the all-reduced hidden states)."""
+        """A worker's step: rank 0's batch through this rank's part of the model, then the
+        logits rank 0 computes, in its order (a vocab-parallel lm_head gathers them from every
+        rank); only rank 0 uses them."""
         self.copy_blocks(message.blocks_to_copy)
-        self.model(message.input_ids, message.positions, self.kv_caches, message.attn_metadata)
+        md = message.attn_metadata
+        hidden = self.model(message.input_ids, message.positions, self.kv_caches, md)
+        if not self._computes_logits():
+            return
+        compute_prompt_logprobs(self.model, hidden, message.prompt_spans)
+        if message.logits_indices is not None:
+            self.model.compute_logits(hidden[message.logits_indices])
+
+    def _computes_logits(self) -> bool:
+        """Whether this rank's lm_head takes part in the logits (tensor parallel: every rank,
+        a vocab-parallel one gathers; pipeline stages > 0 leave them to stage 0)."""
+        return getattr(self.model.model, "stage", None) is None
 
     def graph_logits(self, batch: ModelInput) -> torch.Tensor | None:
         """A decode batch's logits through the compiled decode step; None: run it eagerly."""

@@ -80,7 +80,7 @@ def load_model(
     (`qserve.parallel.tensor_parallel`); with `pp`, stage pp.rank's layers
     (`qserve.parallel.pipeline_parallel`); the config returned is that rank's."""
     path = Path(path)
-    config = ModelConfig.from_pretrained(path)
+    config = full_config = ModelConfig.from_pretrained(path)
     if tp is not None:
         config = tp.rank_config(config)
     if pp is not None:
@@ -102,7 +102,7 @@ def load_model(
         swap_quant_linears(model, config.quantization, state, checkpoint_name, routers)
     _assign_weights(model, state, source=str(path))
     if tp is not None:  # on the modules that run: quantized linears replaced the dense ones
-        tp.add_all_reduce(model)
+        tp.add_all_reduce(model, full_config)
     for module in model.modules():
         if isinstance(module, RotaryEmbedding):
             module.init_cache(device)

@@ -3,19 +3,21 @@
 Megatron's split, as vLLM lays it out: each rank runs its share of the attention heads (q/k/v
 column-parallel, so a rank's heads are whole) and of the MLP width (gate/up column-parallel), and
 the row-parallel o_proj and down_proj each give a partial sum that an all-reduce over the
-group completes (`add_all_reduce`). Embeddings, norms and lm_head are replicated, so every rank
-ends a step with the whole hidden state and the whole logits.
+group completes (`add_all_reduce`). Where the world divides the vocabulary, the embedding and
+lm_head are split by vocabulary rows (`add_vocab_parallel`: lookups summed, logits
+all-gathered); otherwise they stay whole. Norms are whole. Every rank ends a step with the
+whole hidden state and the whole logits.
 
-    config = rank_config(ModelConfig.from_pretrained(path), tp)  # heads, KV heads, MLP / world
+    config = rank_config(ModelConfig.from_pretrained(path), tp)  # heads, KV heads, MLP, vocab
     state = shard_state(checkpoint_state, tp)  # `shard.column_shard` / `row_shard`
-    add_all_reduce(model, tp)  # after o_proj and down_proj
+    add_all_reduce(model, tp, split_vocab)  # after o_proj and down_proj; embedding, lm_head
 
 `loader.load_model(..., tp=TPRank(rank, world))` does all three. The Llama family with
 separate q/k/v and gate/up modules, and a world that divides the heads, KV heads and MLP width;
 dense, GPTQ, AWQ and W8 checkpoints, each linear cut in its own format (`shard`). What is not
 there yet is refused in one line: act-order GPTQ cut along K, compressed-tensors' packed 4-bit
-layout, KV heads replicated across ranks, Phi-3's fused modules, mixtures of experts,
-vocab-parallel embeddings. The engine's `--tensor-parallel-size` runs ranks 1.. in worker
+layout, KV heads replicated across ranks, Phi-3's fused modules, mixtures of experts. The
+engine's `--tensor-parallel-size` runs ranks 1.. in worker
 processes (`workers`).
 """
 
@@ -34,6 +36,7 @@ from qserve.parallel.shard import column_shard, row_shard
 __all__ = ["COLUMN", "ROW", "TPRank", "add_all_reduce", "rank_config", "shard_state"]
 
 COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+EMBEDDING = "model.embed_tokens.weight"
 ROW = ("o_proj", "down_proj")
 
 
@@ -59,8 +62,8 @@ class TPRank:
     ) -> dict[str, torch.Tensor]:
         return shard_state(state, self, quantization)
 
-    def add_all_reduce(self, model: nn.Module) -> int:
-        return add_all_reduce(model, self)
+    def add_all_reduce(self, model: nn.Module, full_config: ModelConfig) -> int:
+        return add_all_reduce(model, self, vocab_parallel(full_config, self.world))
 
 
 def rank_config(config: ModelConfig, tp: TPRank) -> ModelConfig:
@@ -88,7 +91,14 @@ def rank_config(config: ModelConfig, tp: TPRank) -> ModelConfig:
         num_attention_heads=config.num_attention_heads // w,
         num_key_value_heads=config.num_key_value_heads // w,
         intermediate_size=config.intermediate_size // w,
+        vocab_size=config.vocab_size // w if vocab_parallel(config, w) else config.vocab_size,
     )
+
+
+def vocab_parallel(config: ModelConfig, world: int) -> bool:
+    """Whether embed_tokens and lm_head are split by vocabulary rows (the world divides the
+    vocabulary; otherwise both stay whole on every rank)."""
+    return config.vocab_size % world == 0
 
 
 def shard_state(
@@ -99,15 +109,19 @@ def shard_state(
     linear in its checkpoint format (`quantization`: the config's QuantScheme, None: dense)."""
     modules: dict[str, dict[str, torch.Tensor]] = {}
     out: dict[str, torch.Tensor] = {}
+    vocab = state.get(EMBEDDING)
+    by_vocab = vocab is not None and vocab.shape[0] % tp.world == 0  # = vocab_parallel(config)
     for name, tensor in state.items():
         prefix, _, suffix = name.rpartition(".")
-        if prefix.rpartition(".")[2] in COLUMN + ROW:
+        if prefix.rpartition(".")[2] in COLUMN + ROW or (by_vocab and prefix == "lm_head"):
             modules.setdefault(prefix, {})[suffix] = tensor
+        elif by_vocab and name == EMBEDDING:  # [vocab, hidden]: this rank's rows
+            out[name] = column_shard({"weight": tensor}, "dense", tp.rank, tp.world)["weight"]
         else:
             out[name] = tensor
     for prefix, tensors in modules.items():
         fmt, group_size = shard_format(prefix, tensors, quantization)
-        if prefix.rpartition(".")[2] in COLUMN:
+        if prefix.rpartition(".")[2] in COLUMN or prefix == "lm_head":
             part = column_shard(tensors, fmt, tp.rank, tp.world, name=prefix)
         else:  # the model's module has a bias on every rank: zeros where rank 0 adds it
             part = row_shard(tensors, fmt, tp.rank, tp.world, group_size, name=prefix)
@@ -136,9 +150,10 @@ def shard_format(
     return fmt, scheme.group_size
 
 
-def add_all_reduce(model: nn.Module, tp: TPRank) -> int:
+def add_all_reduce(model: nn.Module, tp: TPRank, split_vocab: bool = False) -> int:
     """Sum every row-parallel linear's output over the group (a forward hook on each o_proj and
-    down_proj, in place); returns how many it hooked."""
+    down_proj, in place), and, where the vocabulary is split, complete the embedding and
+    lm_head (`add_vocab_parallel`); returns how many linears it hooked."""
     import torch.distributed as dist
 
     def all_reduce(module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
@@ -150,4 +165,36 @@ def add_all_reduce(model: nn.Module, tp: TPRank) -> int:
         if name.rpartition(".")[2] in ROW:
             module.register_forward_hook(all_reduce)
             hooked += 1
+    if split_vocab:
+        add_vocab_parallel(model.model.embed_tokens, model.lm_head, tp)
     return hooked
+
+
+def add_vocab_parallel(embed: nn.Module, lm_head: nn.Module, tp: TPRank) -> None:
+    """Vocab-parallel embedding and lm_head (Megatron's): this rank holds vocabulary rows
+    [rank * n, (rank + 1) * n). The embedding looks up the ids in its range (zeros elsewhere)
+    and the all-reduce sums the ranks' rows; lm_head's logits of its rows are all-gathered,
+    so every rank has the whole logits (rank 0 samples)."""
+    import torch.distributed as dist
+
+    n = embed.num_embeddings
+    first = tp.rank * n
+
+    def local_ids(module: nn.Module, args: tuple) -> tuple:
+        ids = args[0]
+        module.qserve_inside = (ids >= first) & (ids < first + n)
+        return ((ids - first).clamp(0, n - 1), *args[1:])
+
+    def sum_rows(module: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
+        out = out.masked_fill(~module.qserve_inside.unsqueeze(-1), 0)
+        dist.all_reduce(out, group=tp.group)
+        return out
+
+    def gather_logits(module: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
+        parts = [torch.empty_like(out) for _ in range(tp.world)]
+        dist.all_gather(parts, out.contiguous(), group=tp.group)
+        return torch.cat(parts, dim=-1)
+
+    embed.register_forward_pre_hook(local_ids)
+    embed.register_forward_hook(sum_rows)
+    lm_head.register_forward_hook(gather_logits)

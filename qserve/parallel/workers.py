@@ -7,8 +7,9 @@ positions and the attention metadata as tensors and lists, plus the step's block
 `torch.distributed.broadcast_object_list`. Every rank then runs its part of the forward: with
 tensor parallelism its shard of every layer, the all-reduces after o_proj and down_proj
 (`tensor_parallel.add_all_reduce`) meeting across the ranks; with pipeline parallelism its
-range of layers, the states passed on point to point (`pipeline_parallel`). Embeddings and
-lm_head are whole on every rank, and rank 0 alone computes logits and samples.
+range of layers, the states passed on point to point (`pipeline_parallel`). Rank 0 samples;
+tensor-parallel workers compute the same logits in the same order (the message carries the
+sampling rows and prompt-logprob spans), which a vocab-parallel lm_head all-gathers.
 
 Processes are spawned (fresh interpreters) and meet over gloo on CPU through a TCP store on a
 free loopback port; each rank holds only its shard of the weights and its own KV cache, with
@@ -59,6 +60,10 @@ class StepMessage:
     positions: torch.Tensor
     attn_metadata: Any  # qserve.model.attention.AttentionMetadata (tensors and int lists)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
+    # the logits rank 0 computes this step, which a vocab-parallel lm_head gathers from every
+    # rank: its sampling rows (None: none) and prompt-logprob spans, in the order it runs them
+    logits_indices: torch.Tensor | None = None
+    prompt_spans: list[Any] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

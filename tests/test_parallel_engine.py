@@ -151,8 +151,14 @@ def test_quantized_tp2_equals_one_process(wide_model_dir, prompts, tmp_path, set
     one = _run(folder, prompts, kv_cache_memory="16MiB")
     two = _run(folder, prompts, tp=2, kv_cache_memory="16MiB")
     _assert_same(one, two, tol)
-    if settings["method"] == "rtn":  # stages load their layers' quantized tensors as they are
-        _assert_same(one, _run(folder, prompts, pp=2, kv_cache_memory="16MiB"))
+    if settings["method"] != "rtn":
+        return
+    _assert_same(one, _run(folder, prompts, pp=2, kv_cache_memory="16MiB"))  # layers as stored
+    for args in (dict(kv_cache_memory="16MiB", max_num_batched_tokens=24),  # chunked prefill
+                 dict(kv_blocks=6, max_model_len=96)):  # preemption  # fmt: skip
+        two = _run(folder, prompts, tp=2, **dict(args))
+        _assert_same(_run(folder, prompts, **dict(args)), two)
+        assert "kv_blocks" not in args or two[2].engine.scheduler.num_preemptions > 0
 
 
 def test_act_order_cut_along_k_is_refused(wide_model_dir, tmp_path):

@@ -99,7 +99,7 @@ class LLMEngine:
         log_startup(self, path, kv_spec)
 
     def close(self) -> None:
-        """Stop the tensor-parallel workers, if any (also done at exit)."""
+        """Stop the tensor- or pipeline-parallel workers, if any (also done at exit)."""
         if getattr(self, "workers", None) is not None:
             self.workers.close()
 

@@ -14,7 +14,7 @@ from qserve.engine.scheduler import ScheduledRequest, SchedulerOutput
 from qserve.engine.structured_outputs import apply_grammar_bitmask
 from qserve.model.attention import AttentionMetadata, make_kv_cache
 from qserve.model.config import ModelConfig
-from qserve.parallel.workers import StepMessage, TPWorkers
+from qserve.parallel.workers import StepMessage, Workers
 
 
 @dataclass(frozen=True)
@@ -108,7 +108,7 @@ class ModelRunner:
             for _ in range(kv_spec.num_layers)
         ]
         self.sampler = Sampler()
-        self.workers: TPWorkers | None = None  # tensor-parallel ranks 1.. (set by the engine)
+        self.workers: Workers | None = None  # parallel ranks 1.. (set by the engine)
         self.decode_graphs: DecodeGraphs | None = None  # the compiled decode step (CPU)
         if decode_graphs is not None and self.device.type == "cpu":
             max_blocks = -(-decode_graphs.max_model_len // kv_spec.block_size)

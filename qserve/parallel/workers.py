@@ -49,7 +49,7 @@ COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=60)  # a collective a dead peer 
 
 
 class WorkerDiedError(QServeError):
-    """A tensor-parallel worker is gone: the engine cannot run another step."""
+    """A tensor- or pipeline-parallel worker is gone: the engine cannot run another step."""
 
 
 @dataclass
@@ -122,8 +122,8 @@ def threads_per_rank(num_threads: int | None, world: int) -> int:
     return num_threads or max(1, (os.cpu_count() or 1) // world)
 
 
-class TPWorkers:
-    """Rank 0's handle on ranks 1 .. world-1."""
+class Workers:
+    """Rank 0's handle on ranks 1 .. world-1 (tensor- or pipeline-parallel)."""
 
     def __init__(self, args: WorkerArgs) -> None:
         import torch.distributed as dist
@@ -131,7 +131,7 @@ class TPWorkers:
 
         if dist.is_initialized():
             raise QServeError(
-                "a tensor-parallel engine is already running in this process: close it first"
+                "a parallel engine is already running in this process: close it first"
             )
         self.args = args
         ctx = mp.get_context("spawn")
@@ -151,8 +151,8 @@ class TPWorkers:
         for rank, p in enumerate(self.procs, start=1):
             if not p.is_alive():
                 raise WorkerDiedError(
-                    f"tensor-parallel worker rank {rank} exited (code {p.exitcode}): the engine "
-                    "cannot run steps without it"
+                    f"{self.args.kind}-parallel worker rank {rank} exited (code {p.exitcode}): "
+                    "the engine cannot run steps without it"
                 )
 
     def send(self, message: Any) -> None:
@@ -175,7 +175,7 @@ class TPWorkers:
         except WorkerDiedError as died:
             return died
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        return WorkerDiedError(f"a tensor-parallel collective failed: {first}")
+        return WorkerDiedError(f"a {self.args.kind}-parallel collective failed: {first}")
 
     def watch(self, on_death: Callable[[str], None], interval: float = 0.5) -> None:
         """Call on_death(one line) once, from a thread, when a worker is found exited (the
@@ -214,7 +214,7 @@ class TPWorkers:
 
 def start_workers(
     config: Any, path: Any, dtype: torch.dtype, model_config: Any
-) -> tuple[TPWorkers | None, Any, Any]:
+) -> tuple[Workers | None, Any, Any]:
     """For `config.tensor_parallel_size` or `pipeline_parallel_size` N > 1: check that the
     model splits N ways (one line if not, before anything starts), set this process's threads,
     spawn ranks 1 .. N-1 and join the group as rank 0. Returns (workers, rank 0's TPRank or
@@ -243,7 +243,7 @@ def start_workers(
     if launched:  # a launched rank > 0: serve rank 0's steps, then end the process
         worker_main(launched, args)
         sys.exit(0)
-    return TPWorkers(args), tp, pp
+    return Workers(args), tp, pp
 
 
 def worker_main(rank: int, args: WorkerArgs) -> None:
@@ -253,7 +253,7 @@ def worker_main(rank: int, args: WorkerArgs) -> None:
         _serve(rank, args)
     except Exception as exc:  # noqa: BLE001 - the one line is the report
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        print(f"qserve: tensor-parallel worker rank {rank}: {first}", file=sys.stderr)
+        print(f"qserve: {args.kind}-parallel worker rank {rank}: {first}", file=sys.stderr)
         sys.exit(1)
 
 

@@ -355,7 +355,7 @@ def make_uvicorn_server(app: FastAPI, config: ServerConfig) -> Any:
 
 def run_server(engine: LLMEngine, config: ServerConfig, sock: socket.socket | None = None) -> None:
     """Serve until Ctrl-C / SIGTERM, then drain requests in flight (bounded) and return. If
-    the engine failed for good (a tensor-parallel worker died), shut down at once and raise
+    the engine failed for good (a parallel worker died), shut down at once and raise
     its one line."""
     from sse_starlette.sse import AppStatus
 
@@ -370,7 +370,7 @@ def run_server(engine: LLMEngine, config: ServerConfig, sock: socket.socket | No
     server = make_uvicorn_server(app, config)
     async_engine = app.state.server.engine
     async_engine.on_fatal = lambda message: setattr(server, "should_exit", True)
-    if engine.workers is not None:  # a tensor-parallel worker that dies stops the server
+    if engine.workers is not None:  # a parallel worker that dies stops the server
         engine.workers.watch(async_engine.fail)
     server.run(sockets=[sock] if sock is not None else None)
     if async_engine.fatal_error is not None:

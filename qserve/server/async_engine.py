@@ -262,7 +262,7 @@ class AsyncLLMEngine:
             self._inbox.put(lambda engine, r=request_id: self._abort_now(engine, r))
 
     def fail(self, message: str) -> None:
-        """The engine can run no more steps (a tensor-parallel worker died): stop it, end every
+        """The engine can run no more steps (a parallel worker died): stop it, end every
         request in flight with `message`, and call `on_fatal` once. Any thread; idempotent."""
         if self.fatal_error is not None:
             return

@@ -89,7 +89,7 @@ def load_model(
         model = model_class(config)(config)
     stored = read_state_dict(path, dtype, device)
     if tp is not None:
-        stored = tp.shard_state(stored, config.quantization)
+        stored = tp.shard_state(stored, full_config)
     if pp is not None:
         stored = pp.shard_state(stored)
         pp.attach(model)

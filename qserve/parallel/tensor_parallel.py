@@ -9,7 +9,7 @@ all-gathered); otherwise they stay whole. Norms are whole. Every rank ends a ste
 whole hidden state and the whole logits.
 
     config = rank_config(ModelConfig.from_pretrained(path), tp)  # heads, KV heads, MLP, vocab
-    state = shard_state(checkpoint_state, tp)  # `shard.column_shard` / `row_shard`
+    state = shard_state(checkpoint_state, tp, quantization, split_vocab)  # `shard` cuts
     add_all_reduce(model, tp, split_vocab)  # after o_proj and down_proj; embedding, lm_head
 
 `loader.load_model(..., tp=TPRank(rank, world))` does all three. The Llama family with
@@ -17,8 +17,7 @@ separate q/k/v and gate/up modules, and a world that divides the heads, KV heads
 dense, GPTQ, AWQ and W8 checkpoints, each linear cut in its own format (`shard`). What is not
 there yet is refused in one line: act-order GPTQ cut along K, compressed-tensors' packed 4-bit
 layout, KV heads replicated across ranks, Phi-3's fused modules, mixtures of experts. The
-engine's `--tensor-parallel-size` runs ranks 1.. in worker
-processes (`workers`).
+engine's `--tensor-parallel-size` runs ranks 1.. in worker processes (`workers`).
 """
 
 from __future__ import annotations
@@ -58,9 +57,10 @@ class TPRank:
         return rank_config(config, self)
 
     def shard_state(
-        self, state: dict[str, torch.Tensor], quantization: Any = None
+        self, state: dict[str, torch.Tensor], full_config: ModelConfig
     ) -> dict[str, torch.Tensor]:
-        return shard_state(state, self, quantization)
+        split_vocab = vocab_parallel(full_config, self.world)
+        return shard_state(state, self, full_config.quantization, split_vocab)
 
     def add_all_reduce(self, model: nn.Module, full_config: ModelConfig) -> int:
         return add_all_reduce(model, self, vocab_parallel(full_config, self.world))
@@ -102,20 +102,22 @@ def vocab_parallel(config: ModelConfig, world: int) -> bool:
 
 
 def shard_state(
-    state: dict[str, torch.Tensor], tp: TPRank, quantization: Any = None
+    state: dict[str, torch.Tensor],
+    tp: TPRank,
+    quantization: Any = None,
+    split_vocab: bool = False,
 ) -> dict[str, torch.Tensor]:
     """Rank `tp.rank`'s share of a checkpoint's tensors: q/k/v and gate/up cut along their
-    outputs, o_proj and down_proj along their inputs (bias on rank 0), the rest whole. Each
+    outputs, o_proj and down_proj along their inputs (bias on rank 0), with `split_vocab`
+    (`vocab_parallel`) the embedding and lm_head by vocabulary rows, the rest whole. Each
     linear in its checkpoint format (`quantization`: the config's QuantScheme, None: dense)."""
     modules: dict[str, dict[str, torch.Tensor]] = {}
     out: dict[str, torch.Tensor] = {}
-    vocab = state.get(EMBEDDING)
-    by_vocab = vocab is not None and vocab.shape[0] % tp.world == 0  # = vocab_parallel(config)
     for name, tensor in state.items():
         prefix, _, suffix = name.rpartition(".")
-        if prefix.rpartition(".")[2] in COLUMN + ROW or (by_vocab and prefix == "lm_head"):
+        if prefix.rpartition(".")[2] in COLUMN + ROW or (split_vocab and prefix == "lm_head"):
             modules.setdefault(prefix, {})[suffix] = tensor
-        elif by_vocab and name == EMBEDDING:  # [vocab, hidden]: this rank's rows
+        elif split_vocab and name == EMBEDDING:  # [vocab, hidden]: this rank's rows
             out[name] = column_shard({"weight": tensor}, "dense", tp.rank, tp.world)["weight"]
         else:
             out[name] = tensor

@@ -219,9 +219,6 @@ def start_workers(
     model splits N ways (one line if not, before anything starts), set this process's threads,
     spawn ranks 1 .. N-1 and join the group as rank 0. Returns (workers, rank 0's TPRank or
     None, its PPRank or None); (None, None, None) for one process."""
-    from qserve.parallel.pipeline_parallel import PPRank
-    from qserve.parallel.tensor_parallel import TPRank
-
     tp_size, pp_size = config.tensor_parallel_size, config.pipeline_parallel_size
     if tp_size == pp_size == 1:
         return None, None, None
@@ -231,8 +228,7 @@ def start_workers(
         raise QServeError("tensor and pipeline parallelism run on CPU (gloo) so far, not on CUDA")
     world = max(tp_size, pp_size)
     kind = "tensor" if tp_size > 1 else "pipeline"
-    tp = TPRank(0, world) if kind == "tensor" else None
-    pp = PPRank(0, world, model_config.num_hidden_layers) if kind == "pipeline" else None
+    tp, pp = parallel_rank(kind, 0, world, model_config)
     (tp or pp).rank_config(model_config)  # refuses what does not split
     launched = launched_rank(world, kind)
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if launched is not None else world
@@ -244,6 +240,16 @@ def start_workers(
         worker_main(launched, args)
         sys.exit(0)
     return Workers(args), tp, pp
+
+
+def parallel_rank(kind: str, rank: int, world: int, model_config: Any) -> tuple[Any, Any]:
+    """(TPRank, None) or (None, PPRank): what `load_model` takes for rank `rank`."""
+    from qserve.parallel.pipeline_parallel import PPRank
+    from qserve.parallel.tensor_parallel import TPRank
+
+    if kind == "tensor":
+        return TPRank(rank, world), None
+    return None, PPRank(rank, world, model_config.num_hidden_layers)
 
 
 def worker_main(rank: int, args: WorkerArgs) -> None:
@@ -263,18 +269,12 @@ def _serve(rank: int, args: WorkerArgs) -> None:
     from qserve.engine.model_runner import ModelRunner
     from qserve.model.config import ModelConfig
     from qserve.model.loader import load_model
-    from qserve.parallel.pipeline_parallel import PPRank
-    from qserve.parallel.tensor_parallel import TPRank
 
     torch.set_num_threads(args.num_threads)
     init_group(rank, args.world, args.port)
-    if args.kind == "pipeline":
-        num_layers = ModelConfig.from_pretrained(args.model_path).num_hidden_layers
-        pp = PPRank(rank, args.world, num_layers)
-        model, config = load_model(args.model_path, args.dtype, args.device, pp=pp)
-    else:
-        tp = TPRank(rank, args.world)
-        model, config = load_model(args.model_path, args.dtype, args.device, tp=tp)
+    full_config = ModelConfig.from_pretrained(args.model_path)
+    tp, pp = parallel_rank(args.kind, rank, args.world, full_config)
+    model, config = load_model(args.model_path, args.dtype, args.device, tp=tp, pp=pp)
     box: list[Any] = [None]
     dist.broadcast_object_list(box, src=0)  # rank 0's KV cache spec: the same number of blocks
     kv_spec = dataclasses.replace(box[0], num_layers=config.num_hidden_layers)  # its own layers

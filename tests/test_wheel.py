@@ -67,7 +67,9 @@ def test_wheel_ships_sources_headers_and_data(wheel_env: dict[str, Path]) -> Non
         "import qserve, qserve.data as d, qserve.kernels.cpu_build as b; "
         "print(qserve.__file__); print(sorted(p.name for p in b.CSRC.iterdir())); "
         "print(len(d.moby_dick(1, 135))); "
-        "print(all(d.read_text(f) for f in [*d.CALIBRATION_SOURCES.values(), d.HELDOUT_FILE]))"
+        "print(all(d.read_text(f) for f in [*d.CALIBRATION_SOURCES.values(), d.HELDOUT_FILE])); "
+        "import importlib.resources as r; "
+        "print(sorted(p.name for p in r.files('qserve.server').joinpath('static').iterdir()))"
     )
     out = _run([python, "-c", probe], cwd=wheel_env["bin"]).stdout.splitlines()
     assert str(wheel_env["bin"].parent) in out[0], "the wheel's qserve is not the one imported"
@@ -75,6 +77,7 @@ def test_wheel_ships_sources_headers_and_data(wheel_env: dict[str, Path]) -> Non
         assert name in out[1]
     assert out[2] == "135"
     assert out[3] == "True", "a calibration or held-out text file is missing from the wheel"
+    assert out[4] == str(["app.js", "index.html", "style.css"]), "the playground's files"
 
 
 def test_installed_wheel_quantizes_and_generates_with_cpp_kernels(

@@ -118,6 +118,18 @@ def _as_dict(out: Any) -> dict[str, Any]:
     "bound to loopback (DNS-rebinding guard), else any]",
 )
 @click.option(
+    "--allowed-origins",
+    multiple=True,
+    help="Origins whose web pages may call the API (CORS), e.g. http://localhost:3000; "
+    "repeatable, or a JSON list as vLLM takes it; * for any. [default: none]",
+)
+@click.option(
+    "--ui/--no-ui",
+    default=True,
+    show_default=True,
+    help="Serve the chat playground page at /.",
+)
+@click.option(
     "--special-tokens-in-content",
     is_flag=True,
     help="Parse text like <|im_end|> inside chat messages as the special token, as vLLM does "
@@ -176,6 +188,8 @@ def serve(
     api_key: str | None,
     metrics_public: bool,
     allowed_hosts: tuple[str, ...],
+    allowed_origins: tuple[str, ...],
+    ui: bool,
     special_tokens_in_content: bool,
     chat_template: str | None,
     enable_auto_tool_choice: bool,
@@ -212,6 +226,8 @@ def serve(
         api_key=api_key or None,
         metrics_public=metrics_public,
         allowed_hosts=allowed_hosts or None,
+        allowed_origins=allowed_origins,
+        ui=ui,
         special_tokens_in_content=special_tokens_in_content,
         max_queue=max_queue,
         drain_timeout=drain_timeout,

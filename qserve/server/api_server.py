@@ -30,6 +30,7 @@ from qserve.server.async_engine import (
 )
 from qserve.server.limits import RequestLimits
 from qserve.server.metrics import ServerMetrics, StatLogger
+from qserve.server.playground import add_playground_routes, add_server_info_route
 from qserve.server.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -49,6 +50,8 @@ from qserve.server.security import (
     allowed_hosts,
     check_bearer,
     check_json_content_type,
+    cors_middleware,
+    parse_origins,
 )
 from qserve.server.serving_chat import OpenAIServingChat
 from qserve.server.serving_completion import OpenAIServingCompletion
@@ -90,6 +93,12 @@ class ServerConfig:
     tool_call_parser: str | None = None  # tool_choice "auto" reads calls with it (tool_parsers)
     # Host headers answered (None: loopback names when bound to loopback, else any; "*": any)
     allowed_hosts: tuple[str, ...] | None = None
+    ui: bool = True  # the chat playground at / (off: --no-ui)
+    # origins whose pages may call the API (CORS; "*": any); none by default
+    allowed_origins: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "allowed_origins", parse_origins(self.allowed_origins))
 
 
 class Server:
@@ -128,9 +137,14 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
 
     app = FastAPI(title="qserve", lifespan=lifespan)
     app.add_middleware(HostCheckMiddleware, hosts=allowed_hosts(config.host, config.allowed_hosts))
+    if config.allowed_origins:  # outermost: error replies carry the CORS headers too
+        middleware, options = cors_middleware(config.allowed_origins)
+        app.add_middleware(middleware, **options)
     app.state.server = server
     _add_exception_handlers(app)
     _add_routes(app, server)
+    if config.ui:
+        add_playground_routes(app)
     return app
 
 
@@ -148,6 +162,8 @@ def _add_routes(app: FastAPI, server: Server) -> None:
     @app.get("/v1/models", dependencies=auth)
     async def models() -> dict[str, Any]:
         return dump(ModelList(object="list", data=[_model_card(server)]))
+
+    add_server_info_route(app, server, auth)
 
     @app.post("/v1/completions", dependencies=auth)
     async def completions(request: Request) -> Response:

@@ -9,22 +9,31 @@
   127.0.0.1, [::1]) or one of `--allowed-hosts`: a DNS-rebinding page reaches 127.0.0.1 under
   its own host name, and is refused here. `--allowed-hosts` sets the list for any bind address;
   `*` allows any host.
+- Other web front-ends may call the API from the origins in `--allowed-origins` (CORS, as
+  vLLM's option; off by default, so browsers keep other origins' pages from reading replies).
 """
 
 from __future__ import annotations
 
 import hmac
+import json
+import re
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
+from qserve.errors import QServeError
+from qserve.options import excerpt
 from qserve.server.protocol import APIError
 
 LOOPBACK_HOSTS = frozenset({"localhost", "127.0.0.1", "::1"})
 Scope = MutableMapping[str, Any]
 ASGIApp = Callable[[Scope, Any, Any], Awaitable[None]]
+# scheme://host[:port], nothing after it: what a browser sends as its Origin header
+_ORIGIN = re.compile(r"^https?://(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9.-]+)(:\d{1,5})?$")
 
 
 def check_bearer(request: Request, api_key: str | None) -> None:
@@ -87,3 +96,46 @@ class HostCheckMiddleware:
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+def parse_origins(values: tuple[str, ...] | list[str]) -> tuple[str, ...]:
+    """The origins of `--allowed-origins`: each value is an origin (`http://host:port`), `*`,
+    or a JSON list of them (vLLM's spelling, `'["http://a:3000"]'`); QServeError otherwise."""
+    origins: list[str] = []
+    for value in values:
+        items = _json_list(value) if value.lstrip().startswith("[") else [value]
+        for item in items:
+            origin = item.strip().rstrip("/")
+            if origin != "*" and not _ORIGIN.match(origin):
+                shape = "scheme://host[:port], or *"
+                raise QServeError(
+                    f"--allowed-origins: {excerpt(item)} is not an origin ({shape})",
+                    param="allowed_origins",
+                )
+            origins.append(origin)
+    return tuple(dict.fromkeys(origins))
+
+
+def _json_list(value: str) -> list[str]:
+    try:
+        items = json.loads(value)
+    except json.JSONDecodeError:
+        items = None
+    if not isinstance(items, list) or not all(isinstance(item, str) for item in items):
+        raise QServeError(
+            f"--allowed-origins: {excerpt(value)} is not a JSON list of origins",
+            param="allowed_origins",
+        )
+    return items
+
+
+def cors_middleware(origins: tuple[str, ...]) -> tuple[type, dict[str, Any]]:
+    """Starlette's CORS middleware and its options for `origins` (API keys travel in the
+    Authorization header, so no cookies: credentials stay off)."""
+    return CORSMiddleware, {
+        "allow_origins": list(origins),
+        "allow_methods": ["GET", "POST", "OPTIONS"],
+        "allow_headers": ["Authorization", "Content-Type"],
+        "expose_headers": ["Retry-After"],
+        "max_age": 600,
+    }

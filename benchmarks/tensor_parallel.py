@@ -6,12 +6,13 @@ at TP=1, TP=2 and PP=2, with the weight memory each rank holds, in one run.
         [--output benchmarks/results/tensor_parallel.json]
 
 Rows: TP=1 with one thread, TP=1 with two threads (the whole machine in one process), TP=2 and
-PP=2 with one thread per rank (gloo between two processes). Decode: B requests of --prompt-len
-tokens, stepped once each is past its prompt, the median of --steps steps (`throughput.py`'s
-steady-state measurement). Workload: --num-requests requests of 32-256 prompt and 16-64 output
-tokens added at once, output tokens/s to completion. Weights: the bytes of rank 0's parameters
-and buffers (every TP rank holds the same; PP stage 0 holds the most layers). NCCL on GPUs is
-not built: CPU only. Prints a table and writes JSON.
+PP=2 with one thread per rank (gloo between two processes), PP=2 with its stages in turn and
+with each step cut into 2 and 4 micro-batches (`--pipeline-micro-batches`). Decode: B
+requests of --prompt-len tokens, stepped once each is past its prompt, the median of --steps
+steps (`throughput.py`'s steady-state measurement). Workload: --num-requests requests of
+32-256 prompt and 16-64 output tokens added at once, output tokens/s to completion. Weights:
+the bytes of rank 0's parameters and buffers (every TP rank holds the same; PP stage 0 holds
+the most layers). NCCL on GPUs is not built: CPU only. Prints a table and writes JSON.
 """
 
 from __future__ import annotations
@@ -33,12 +34,14 @@ from benchmarks.results_file import run_and_report, run_arguments  # noqa: E402
 from benchmarks.workload import WorkloadConfig, make_workload  # noqa: E402
 
 DEFAULT_OUTPUT = Path(__file__).resolve().parent / "results" / "tensor_parallel.json"
-# (label, tensor-parallel size, pipeline-parallel size, threads per rank)
+# (label, tensor-parallel size, pipeline-parallel size, threads per rank, micro-batches)
 CONFIGS = [
-    ("TP=1, 1 thread", 1, 1, 1),
-    ("TP=1, 2 threads", 1, 1, 2),
-    ("TP=2, 1 thread/rank", 2, 1, 1),
-    ("PP=2, 1 thread/rank", 1, 2, 1),
+    ("TP=1, 1 thread", 1, 1, 1, None),
+    ("TP=1, 2 threads", 1, 1, 2, None),
+    ("TP=2, 1 thread/rank", 2, 1, 1, None),
+    ("PP=2, in turn", 1, 2, 1, 1),
+    ("PP=2, 2 micro-batches", 1, 2, 1, 2),
+    ("PP=2, 4 micro-batches", 1, 2, 1, 4),
 ]
 
 
@@ -47,11 +50,13 @@ def weight_mb(model: torch.nn.Module) -> float:
     return sum(t.numel() * t.element_size() for t in tensors.values()) / 1e6
 
 
-def make_llm(model: str, dtype: str, tp: int, pp: int, threads: int, max_num_seqs: int) -> Any:
+def make_llm(
+    model: str, dtype: str, tp: int, pp: int, threads: int, micro: int | None, max_num_seqs: int
+) -> Any:
     from qserve import LLM
 
     return LLM(model, dtype=dtype, tensor_parallel_size=tp, pipeline_parallel_size=pp,
-               num_threads=threads, max_num_seqs=max_num_seqs,
+               pipeline_micro_batches=micro, num_threads=threads, max_num_seqs=max_num_seqs,
                kv_cache_memory="512MiB")  # fmt: skip
 
 
@@ -87,14 +92,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     tokenizer = load_tokenizer(path)
     requests = make_workload(tokenizer, WorkloadConfig(args.num_requests, 32, 256, 16, 64, 0))
     rows = []
-    for label, tp, pp, threads in CONFIGS:
+    for label, tp, pp, threads, micro in CONFIGS:
         print(f"{label} ...", flush=True)
         torch.set_num_threads(threads)
-        llm = make_llm(str(path), args.dtype, tp, pp, threads, max(args.batch_sizes))
+        llm = make_llm(str(path), args.dtype, tp, pp, threads, micro, max(args.batch_sizes))
         try:
             mb = weight_mb(llm.engine.model_runner.model)
             row: dict[str, Any] = {"label": label, "tp": tp, "pp": pp, "threads_per_rank": threads,
-                                   "weight_mb_per_rank": mb}  # fmt: skip
+                                   "micro_batches": micro, "weight_mb_per_rank": mb}  # fmt: skip
             for b in args.batch_sizes:
                 prompts = throughput.decode_prompts(tokenizer, _decode_args(args), b)
                 row[f"decode_ms_b{b}"] = decode_ms(llm, prompts, args.steps)
@@ -111,13 +116,13 @@ def _decode_args(args: argparse.Namespace) -> argparse.Namespace:
 
 def format_table(summary: dict[str, Any]) -> str:
     batches = summary["settings"]["batch_sizes"]
-    head = f"{'config':<22}{'weights MB/rank':>16}" + "".join(
+    head = f"{'config':<24}{'weights MB/rank':>16}" + "".join(
         f"{f'B={b} ms/step':>15}" for b in batches
     )
     head += f"{'workload tok/s':>16}"
     lines = [head, "-" * len(head)]
     for r in summary["rows"]:
-        line = f"{r['label']:<22}{r['weight_mb_per_rank']:>16.1f}"
+        line = f"{r['label']:<24}{r['weight_mb_per_rank']:>16.1f}"
         line += "".join(f"{r[f'decode_ms_b{b}']:>15.1f}" for b in batches)
         lines.append(line + f"{r['workload_tokens_per_s']:>16.1f}")
     return "\n".join(lines)

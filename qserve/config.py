@@ -78,6 +78,11 @@ class EngineConfig:
     pipeline_parallel_size: Annotated[int, Range(1)] = setting(
         1, "Processes that each run a range of the layers (CPU, gloo; Llama family, no MoE)."
     )
+    pipeline_micro_batches: Annotated[int, Range(1)] | None = setting(
+        None,
+        "Micro-batches a pipeline-parallel step is cut into, so stages overlap (1: in turn).",
+        default_text="the stage count",
+    )
     enforce_eager: bool = setting(
         False, "Run every step eagerly (no captured decode-step graphs; they are CPU-only)."
     )

@@ -102,6 +102,16 @@ def test_two_processes_equal_one(deep_model_dir, prompts, args, split):
     assert all(not p.is_alive() for p in two[2].engine.workers.procs)
 
 
+@pytest.mark.parametrize("micro_batches", [1, 3])
+def test_pipeline_micro_batches_do_not_change_the_output(deep_model_dir, prompts, micro_batches):
+    """The default cut (2 micro-batches for 2 stages) is above; the stages in turn (1) and 3
+    micro-batches (a decode step of 6 sequences: 2 each) give one process's output too."""
+    args = dict(kv_cache_memory="16MiB", max_num_batched_tokens=24)
+    one = _run(deep_model_dir, prompts, **args)
+    _assert_same(one, _run(deep_model_dir, prompts, pp=2, pipeline_micro_batches=micro_batches,
+                           **args))  # fmt: skip
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
@@ -161,16 +171,36 @@ def test_quantized_tp2_equals_one_process(wide_model_dir, prompts, tmp_path, set
         assert "kv_blocks" not in args or two[2].engine.scheduler.num_preemptions > 0
 
 
-def test_act_order_cut_along_k_is_refused(wide_model_dir, tmp_path):
+@pytest.mark.parametrize(
+    "settings",
+    [
+        # act-order: each rank's half of down_proj's channels reads groups from all over
+        # the layer; every rank keeps all the scales and zeros and its half of g_idx
+        dict(method="gptq", group_size=32, desc_act=True, num_samples=4, seq_len=64),
+        # compressed-tensors pack-quantized W4: cut as the GPTQ tensors of the same codes
+        dict(method="rtn", group_size=32, format="compressed-tensors"),
+    ],
+    ids=["gptq-act-order", "compressed-tensors-w4"],
+)
+def test_act_order_and_pack_quantized_tp2_equal_one_process(
+    wide_model_dir, prompts, tmp_path, settings
+):
     from qserve.quantize.driver import quantize_model
     from qserve.quantize.settings import QuantizeSettings
 
-    settings = QuantizeSettings(method="gptq", group_size=32, desc_act=True, num_samples=4,
-                                seq_len=64)  # fmt: skip
-    folder = quantize_model(wide_model_dir, tmp_path / "q", settings)
-    with pytest.raises(QServeError, match="act-order") as info:
-        LLM(str(folder), dtype="float32", num_threads=1, tensor_parallel_size=2)
-    assert "\n" not in str(info.value)
+    folder = quantize_model(wide_model_dir, tmp_path / "q", QuantizeSettings(**settings))
+    _assert_same(_run(folder, prompts, kv_cache_memory="16MiB"),
+                 _run(folder, prompts, tp=2, kv_cache_memory="16MiB"))  # fmt: skip
+
+
+def test_one_kv_head_replicated_over_two_ranks(tmp_path, prompts):
+    """4 query heads and 1 KV head at TP=2: each rank runs 2 query heads on its own copy of
+    the KV head (and caches it)."""
+    folder = tmp_path / "llama-kv1"
+    build_tiny_model("llama", vocab_size=1000, num_key_value_heads=1).save_pretrained(folder)
+    byte_bpe_tokenizer().save_pretrained(folder)
+    _assert_same(_run(folder, prompts, kv_cache_memory="16MiB"),
+                 _run(folder, prompts, tp=2, kv_cache_memory="16MiB"))  # fmt: skip
 
 
 def test_prompt_logprobs_and_vocab_parallel_lm_head(deep_model_dir, prompts):

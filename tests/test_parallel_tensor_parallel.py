@@ -75,13 +75,17 @@ def _rank(rank: int, folder: Path, rendezvous: Path, out: Path) -> None:
         dist.destroy_process_group()
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen3"])
+@pytest.fixture(scope="module", params=["llama", "qwen3", "llama-1-kv-head", "gemma3-1-kv-head"])
 def model_folder(request, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The BPE Llama (untied head); Qwen3 (q/k norms, biases on q/k/v and o_proj)."""
+    """The BPE Llama (untied head); Qwen3 (q/k norms, biases on q/k/v and o_proj); a Llama of
+    one KV head, which both ranks hold (replicated, as vLLM's num_kv_head_replicas); Gemma 3
+    of one KV head as Gemma-3-270M (scaled tied embedding, sliding layers, soft-capped logits)."""
     folder = tmp_path_factory.mktemp(request.param)
     if request.param == "llama":
         return save_tiny_llama(folder)
-    build_tiny_model("qwen3").save_pretrained(folder)
+    name, _, kv1 = request.param.partition("-")
+    overrides = dict(num_key_value_heads=1) if kv1 else {}
+    build_tiny_model(name, **overrides).save_pretrained(folder)
     return folder
 
 
@@ -100,7 +104,9 @@ def test_a_rank_holds_its_share(model_folder: Path) -> None:
     tp = TPRank(1, WORLD)
     model, rank_cfg = load_model(model_folder, torch.float32, tp=tp)
     assert rank_cfg.num_attention_heads == config.num_attention_heads // WORLD
-    assert rank_cfg.num_key_value_heads == config.num_key_value_heads // WORLD
+    assert rank_cfg.num_key_value_heads == max(config.num_key_value_heads // WORLD, 1)
+    k_proj = model.model.layers[0].self_attn.k_proj.weight
+    assert k_proj.shape == (rank_cfg.num_key_value_heads * config.head_dim, config.hidden_size)
     attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
     assert attn.q_proj.weight.shape == (config.q_size // WORLD, config.hidden_size)
     assert mlp.down_proj.weight.shape == (config.hidden_size, config.intermediate_size // WORLD)
@@ -110,8 +116,10 @@ def test_a_rank_holds_its_share(model_folder: Path) -> None:
 
 def test_what_does_not_split_is_refused() -> None:
     config = _config()
-    with pytest.raises(QServeError, match=r"KV heads \(2\) do not split over"):
-        rank_config(config, TPRank(0, 4))
+    assert rank_config(config, TPRank(3, 4)).num_key_value_heads == 1  # 2 ranks a KV head
+    three_kv = dataclasses.replace(config, num_attention_heads=6, num_key_value_heads=3)
+    with pytest.raises(QServeError, match=r"KV heads \(3\) do not split over"):
+        rank_config(three_kv, TPRank(0, 2))
     with pytest.raises(QServeError, match=r"attention heads \(4\) do not split over"):
         rank_config(config, TPRank(0, 3))
     with pytest.raises(QServeError, match="rank 2 outside a world of 2"):
@@ -127,6 +135,18 @@ def test_shard_state_cuts_columns_and_rows() -> None:
     assert torch.equal(rank1["model.layers.0.self_attn.q_proj.weight"], W[2:])
     assert torch.equal(rank1["model.layers.0.self_attn.o_proj.weight"], W[:, 4:])
     assert torch.equal(rank1["model.norm.weight"], torch.ones(8))
+
+
+def test_replicated_kv_heads_take_the_kv_head_of_their_query_heads() -> None:
+    """4 ranks, 2 KV heads of 2 rows: ranks 0 and 1 hold KV head 0, ranks 2 and 3 KV head 1."""
+    W = torch.arange(32.0).reshape(4, 8)
+    state = {"model.layers.0.self_attn.k_proj.weight": W,
+             "model.layers.0.self_attn.q_proj.weight": W}  # fmt: skip
+    for rank in range(4):
+        part = shard_state(state, TPRank(rank, 4), kv_replicas=2)
+        k, q = (part[f"model.layers.0.self_attn.{m}_proj.weight"] for m in "kq")
+        assert torch.equal(k, W[rank // 2 * 2 : rank // 2 * 2 + 2])
+        assert torch.equal(q, W[rank : rank + 1])
 
 
 def _config() -> ModelConfig:
@@ -157,3 +177,31 @@ def test_pipeline_stages_split_the_layers_and_rename_them() -> None:
     assert PPRank(1, 2, 4).rank_config(four_layers).num_hidden_layers == 2
     with pytest.raises(QServeError, match="more stages than"):
         PPRank(0, 5, 4)
+
+
+def test_micro_batches_cut_whole_sequences_into_equal_token_shares() -> None:
+    from qserve.parallel.pipeline_parallel import micro_batches
+
+    assert micro_batches([1] * 8, 2) == [((0, 4), (0, 4)), ((4, 8), (4, 8))]
+    assert micro_batches([5, 40, 25, 70, 1, 33], 2) == [((0, 3), (0, 70)), ((3, 6), (70, 174))]
+    assert micro_batches([100], 4) == [((0, 1), (0, 100))]  # a sequence is never cut
+    assert micro_batches([1, 1], 4) == [((0, 1), (0, 1)), ((1, 2), (1, 2))]
+    assert micro_batches([3, 4, 5], 1) == [((0, 3), (0, 12))]
+    for lens in ([7, 1, 9, 2, 2, 30], [1] * 5, [64, 64, 1]):
+        for parts in (1, 2, 3, 4):
+            cut = micro_batches(lens, parts)
+            assert 1 <= len(cut) <= parts and cut[0][0][0] == 0 and cut[-1][0][1] == len(lens)
+            for (seqs, tokens), (nxt, nxt_tokens) in zip(cut, cut[1:]):
+                assert seqs[1] == nxt[0] and tokens[1] == nxt_tokens[0]
+            assert all(t1 - t0 == sum(lens[a:b]) for (a, b), (t0, t1) in cut)
+
+
+def test_attention_metadata_of_some_sequences() -> None:
+    pos = torch.tensor([0, 1, 2, 3, 4, 5])
+    md = _metadata([1, 3, 2], [5, 3, 9], pos)
+    part = md.seqs(1, 3)
+    assert part.query_start_loc.tolist() == [0, 3, 5]
+    assert torch.equal(part.slot_mapping, md.slot_mapping[1:])
+    assert part.block_tables.tolist() == [[1], [2]]
+    assert part.seq_lens.tolist() == [3, 9] == part.seq_lens_cpu
+    assert part.query_lens_cpu == [3, 2] and part.num_seqs == 2

@@ -33,6 +33,21 @@ class AttentionMetadata:
     def num_seqs(self) -> int:
         return len(self.seq_lens_cpu)
 
+    def seqs(self, start: int, end: int) -> AttentionMetadata:
+        """The metadata of sequences [start, end) alone (their tokens are
+        query_start_loc[start]:query_start_loc[end] of the flat batch)."""
+        first = int(self.query_start_loc[start])
+        last = int(self.query_start_loc[end])
+        return AttentionMetadata(
+            slot_mapping=self.slot_mapping[first:last],
+            block_tables=self.block_tables[start:end],
+            seq_lens=self.seq_lens[start:end],
+            query_start_loc=self.query_start_loc[start : end + 1] - first,
+            seq_lens_cpu=self.seq_lens_cpu[start:end],
+            query_lens_cpu=self.query_lens_cpu[start:end],
+            prompt_lens_cpu=self.prompt_lens_cpu[start:end],
+        )
+
 
 def make_kv_cache(
     num_blocks: int,

@@ -23,16 +23,25 @@ logger = logging.getLogger("qserve")
 
 
 class GPTQLinear(QuantLinear):
-    """GPTQ v1 tensors: qweight [K*bits/32, N], qzeros [G, N*bits/32], scales [G, N], g_idx [K]."""
+    """GPTQ v1 tensors: qweight [K*bits/32, N], qzeros [G, N*bits/32], scales [G, N], g_idx [K].
+
+    G is ceil(K / group size), or `num_groups` where g_idx names the groups: a tensor-parallel
+    rank's act-order slice of K keeps every group's scales and zeros (as vLLM's do)."""
 
     def __init__(
-        self, scheme: LinearScheme, in_features: int, out_features: int, bias: bool, g_idx: bool
+        self,
+        scheme: LinearScheme,
+        in_features: int,
+        out_features: int,
+        bias: bool,
+        g_idx: bool,
+        num_groups: int | None = None,
     ):
         super().__init__(scheme, in_features, out_features, bias)
         bits, K, N = scheme.bits, in_features, out_features
         per_word = packing.pack_factor(bits)
         gs = K if scheme.group_size == -1 else scheme.group_size
-        self.num_groups = -(-K // gs)
+        self.num_groups = -(-K // gs) if num_groups is None or not g_idx else num_groups
         self.group_size = gs
         _check_divisible(K, per_word, "in_features", scheme)
         _check_divisible(N, per_word, "out_features", scheme)

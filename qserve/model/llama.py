@@ -180,21 +180,28 @@ class LlamaModel(nn.Module):
         kv_caches: list[torch.Tensor],
         attn_metadata: AttentionMetadata,
     ) -> torch.Tensor:
-        stage = self.stage
+        if self.stage is not None:  # its layers, in micro-batches between the stages
+            return self.stage.forward(self, input_ids, positions, kv_caches, attn_metadata)
         hidden = self.embed_tokens(input_ids)  # [num_tokens, hidden]
-        residual = None
-        if stage is not None and not stage.is_first:
-            hidden, residual = stage.recv(hidden)
+        hidden, residual = self.decode_layers(hidden, None, positions, kv_caches, attn_metadata)
+        return self.final_norm(hidden, residual)
+
+    def decode_layers(
+        self,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        attn_metadata: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The decoder layers on (hidden, residual stream); residual None before the first."""
         rope = self.rotary_emb(positions, attn_metadata)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden, residual = layer(hidden, residual, rope, kv_cache, attn_metadata)
-        if stage is not None and not stage.is_last:
-            stage.send(hidden, residual)
-            return stage.recv_final(hidden) if stage.is_first else hidden
-        out = self.norm(hidden) if residual is None else self.norm(hidden, residual)[0]
-        if stage is not None and not stage.is_first:
-            stage.send_final(out)
-        return out
+        return hidden, residual
+
+    def final_norm(self, hidden: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+        return self.norm(hidden) if residual is None else self.norm(hidden, residual)[0]
 
 
 class LlamaForCausalLM(nn.Module):

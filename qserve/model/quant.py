@@ -41,7 +41,10 @@ def _make(
     if scheme.format == "gptq":
         if f"{prefix}.weight_packed" in state:  # compressed-tensors pack-quantized
             gptq_from_pack_quantized(prefix, state, scheme.bits)
-        return GPTQLinear(scheme, K, N, bias, g_idx=f"{prefix}.g_idx" in state)
+        g_idx = f"{prefix}.g_idx" in state
+        scales = state.get(f"{prefix}.scales")  # g_idx names its groups (act-order TP slice)
+        groups = scales.shape[0] if g_idx and scales is not None else None
+        return GPTQLinear(scheme, K, N, bias, g_idx=g_idx, num_groups=groups)
     if scheme.format == "awq":
         return AWQLinear(scheme, K, N, bias)
     return W8Linear(scheme, K, N, bias)

@@ -6,15 +6,20 @@ ordinary model of its layers only (`rank_config`: num_hidden_layers, and its sli
 per-layer settings), loaded from the checkpoint's tensors of those layers renamed to local
 indices (`shard_state`); embeddings, the final norm and lm_head are whole on every stage. Each
 step, stage 0 embeds the tokens, and every stage runs its layers on what the previous one sent
-(hidden states and the residual stream, `send` / `recv` point to point); the last stage applies
-the final norm and sends the result back to stage 0, which computes logits and samples.
+(hidden states and the residual stream, point to point); the last stage applies the final norm
+and sends the result back to stage 0, which computes logits and samples.
+
+A step's sequences are cut into up to `--pipeline-micro-batches` (default: the stage count)
+micro-batches of about equal token counts (`micro_batches`, GPipe's fill): a stage sends
+micro-batch m on without waiting and starts m + 1, so the stages overlap instead of running
+one after the other.
 
     stage = PPRank(rank, world, num_layers)
     load_model(path, dtype, pp=stage)  # rank_config, shard_state, attach (model.model.stage)
 
-The stages run one after the other: no micro-batches yet, so pipeline parallelism splits a
-model's memory, not its time. Llama family without mixtures of experts only; tensor and
-pipeline parallelism are not combined yet.
+A step is still one step: rank 0 schedules the next only when this one's logits are back
+(vLLM's virtual engines, several steps in flight, are not built). Llama family without
+mixtures of experts only; tensor and pipeline parallelism are not combined yet.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ from torch import nn
 from qserve.errors import QServeError
 from qserve.model.config import ModelConfig
 
-__all__ = ["PPRank", "stage_layers"]
+__all__ = ["PPRank", "micro_batches", "stage_layers"]
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
@@ -43,11 +48,13 @@ def stage_layers(num_layers: int, rank: int, world: int) -> tuple[int, int]:
 
 @dataclasses.dataclass(frozen=True)
 class PPRank:
-    """This process's stage: `rank` of `world`, over a model of `num_layers` decoder layers."""
+    """This process's stage: `rank` of `world`, over a model of `num_layers` decoder layers,
+    each step cut into up to `micro_batches` micro-batches (1: the stages run in turn)."""
 
     rank: int
     world: int
     num_layers: int
+    micro_batches: int = 1
 
     def __post_init__(self) -> None:
         if self.world < 1 or not 0 <= self.rank < self.world:
@@ -104,30 +111,76 @@ class PPRank:
 
     # -- what the decoder stack calls each step -----------------------------------------------
 
-    def recv(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The previous stage's hidden states and residual stream, shaped as `like`."""
+    def forward(
+        self,
+        stack: nn.Module,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        attn_metadata: Any,
+    ) -> torch.Tensor:
+        """This stage's part of one step (`stack`: the LlamaModel of its layers), over the
+        step's micro-batches (`micro_batches`) in order: stage 0 embeds, the others receive the
+        previous stage's hidden states and residual stream; each sends its result on without
+        waiting (so stage s runs micro-batch m + 1 while stage s + 1 runs m), the last stage
+        its normed states to stage 0. Stage 0 returns the whole batch's normed states."""
         import torch.distributed as dist
 
-        hidden, residual = torch.empty_like(like), torch.empty_like(like)
-        dist.recv(hidden, self.rank - 1)
-        dist.recv(residual, self.rank - 1)
+        dtype = stack.embed_tokens.weight.dtype
+        width = stack.embed_tokens.weight.shape[1]
+        parts = micro_batches(attn_metadata.query_lens_cpu, self.micro_batches)
+        finals = []  # stage 0: posted first, so the last stage's sends complete while it works
+        for m, (_, (t0, t1)) in enumerate(parts if self.is_first else []):
+            buf = torch.empty(t1 - t0, width, dtype=dtype)
+            finals.append((buf, dist.irecv(buf, self.world - 1, tag=m)))
+        sends = []  # (tensor, work): the tensors stay alive until their sends complete
+        for m, ((s0, s1), (t0, t1)) in enumerate(parts):
+            md = attn_metadata if len(parts) == 1 else attn_metadata.seqs(s0, s1)
+            if self.is_first:
+                hidden, residual = stack.embed_tokens(input_ids[t0:t1]), None
+            else:
+                hidden, residual = self._recv(m, t1 - t0, width, dtype)
+            hidden, residual = stack.decode_layers(hidden, residual, positions[t0:t1],
+                                                   kv_caches, md)  # fmt: skip
+            if self.is_last:
+                out = stack.final_norm(hidden, residual).contiguous()
+                sends.append((out, dist.isend(out, 0, tag=m)))
+                continue
+            for i, t in enumerate((hidden.contiguous(), residual.contiguous())):
+                sends.append((t, dist.isend(t, self.rank + 1, tag=2 * m + i)))
+        for _, work in sends + finals:
+            work.wait()
+        if self.is_first:
+            return torch.cat([buf for buf, _ in finals])
+        return torch.empty(0, width, dtype=dtype)  # the step's result is on stage 0
+
+    def _recv(
+        self, m: int, tokens: int, width: int, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, ...]:
+        """The previous stage's hidden states and residual stream of micro-batch m."""
+        import torch.distributed as dist
+
+        hidden, residual = (torch.empty(tokens, width, dtype=dtype) for _ in range(2))
+        dist.recv(hidden, self.rank - 1, tag=2 * m)
+        dist.recv(residual, self.rank - 1, tag=2 * m + 1)
         return hidden, residual
 
-    def send(self, hidden: torch.Tensor, residual: torch.Tensor) -> None:
-        import torch.distributed as dist
 
-        dist.send(hidden.contiguous(), self.rank + 1)
-        dist.send(residual.contiguous(), self.rank + 1)
-
-    def send_final(self, hidden: torch.Tensor) -> None:
-        """The last stage's normed hidden states, to stage 0 (which computes logits)."""
-        import torch.distributed as dist
-
-        dist.send(hidden.contiguous(), 0)
-
-    def recv_final(self, like: torch.Tensor) -> torch.Tensor:
-        import torch.distributed as dist
-
-        hidden = torch.empty_like(like)
-        dist.recv(hidden, self.world - 1)
-        return hidden
+def micro_batches(
+    query_lens: list[int], parts: int
+) -> list[tuple[tuple[int, int], tuple[int, int]]]:
+    """A step's sequences cut into at most `parts` contiguous micro-batches of about equal
+    token counts (a sequence is never cut): [((first seq, end seq), (first token, end token))].
+    Every stage computes the same cut from the step's query lengths."""
+    prefix = [0]
+    for q in query_lens:
+        prefix.append(prefix[-1] + q)
+    cuts = [0]
+    for k in range(1, parts):  # after how many sequences, nearest the k-th equal share
+        target = prefix[-1] * k / parts
+        options = range(cuts[-1] + 1, len(query_lens))
+        if options:
+            cuts.append(min(options, key=lambda j: abs(prefix[j] - target)))
+    cuts.append(len(query_lens))
+    cuts = sorted(set(cuts))
+    return [((a, b), (prefix[a], prefix[b])) for a, b in zip(cuts, cuts[1:])]

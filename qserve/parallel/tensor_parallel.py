@@ -12,12 +12,14 @@ whole hidden state and the whole logits.
     state = shard_state(checkpoint_state, tp, quantization, split_vocab)  # `shard` cuts
     add_all_reduce(model, tp, split_vocab)  # after o_proj and down_proj; embedding, lm_head
 
-`loader.load_model(..., tp=TPRank(rank, world))` does all three. The Llama family with
-separate q/k/v and gate/up modules, and a world that divides the heads, KV heads and MLP width;
-dense, GPTQ, AWQ and W8 checkpoints, each linear cut in its own format (`shard`). What is not
-there yet is refused in one line: act-order GPTQ cut along K, compressed-tensors' packed 4-bit
-layout, KV heads replicated across ranks, Phi-3's fused modules, mixtures of experts. The
-engine's `--tensor-parallel-size` runs ranks 1.. in worker processes (`workers`).
+`loader.load_model(..., tp=TPRank(rank, world))` does all three. The Llama family and Gemma 3
+(the same attention and MLP modules) with separate q/k/v and gate/up modules, and a world that
+divides the heads and MLP width; dense, GPTQ (act-order too), AWQ, W8 and compressed-tensors
+pack-quantized checkpoints, each linear cut in its own format (`shard`); where the world is a
+multiple of the KV heads, each rank holds the one KV head its query heads read
+(`kv_head_replicas`). What is not there yet is refused in one line: Phi-3's fused modules,
+mixtures of experts. The engine's `--tensor-parallel-size` runs ranks 1.. in worker
+processes (`workers`).
 """
 
 from __future__ import annotations
@@ -30,12 +32,22 @@ from torch import nn
 
 from qserve.errors import QServeError
 from qserve.model.config import ModelConfig
+from qserve.model.gptq_linear import gptq_from_pack_quantized
 from qserve.parallel.shard import column_shard, row_shard
 
-__all__ = ["COLUMN", "ROW", "TPRank", "add_all_reduce", "rank_config", "shard_state"]
+__all__ = [
+    "COLUMN",
+    "ROW",
+    "TPRank",
+    "add_all_reduce",
+    "kv_head_replicas",
+    "rank_config",
+    "shard_state",
+]
 
 COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 EMBEDDING = "model.embed_tokens.weight"
+KV = ("k_proj", "v_proj")
 ROW = ("o_proj", "down_proj")
 
 
@@ -60,39 +72,51 @@ class TPRank:
         self, state: dict[str, torch.Tensor], full_config: ModelConfig
     ) -> dict[str, torch.Tensor]:
         split_vocab = vocab_parallel(full_config, self.world)
-        return shard_state(state, self, full_config.quantization, split_vocab)
+        replicas = kv_head_replicas(full_config, self.world)
+        return shard_state(state, self, full_config.quantization, split_vocab, replicas)
 
     def add_all_reduce(self, model: nn.Module, full_config: ModelConfig) -> int:
         return add_all_reduce(model, self, vocab_parallel(full_config, self.world))
 
 
 def rank_config(config: ModelConfig, tp: TPRank) -> ModelConfig:
-    """The model config of one rank: its share of the attention heads, KV heads and MLP width.
-    A QServeError names what does not split (vLLM refuses the same)."""
+    """The model config of one rank: its share of the attention heads, KV heads and MLP width
+    (one KV head, replicated, where the world is a multiple of the KV heads: vLLM's
+    `num_kv_head_replicas`). A QServeError names what does not split (vLLM refuses the same)."""
     w = tp.world
-    if config.family != "llama":
+    if config.family not in ("llama", "gemma3"):  # the model classes with these module names
         raise QServeError(f"tensor parallelism does not take {config.architecture} yet")
     if config.num_experts:
         raise QServeError("tensor parallelism does not take mixture-of-experts models yet")
     if config.fused_projections:
         raise QServeError("tensor parallelism does not take fused qkv_proj / gate_up_proj yet")
+    kv = config.num_key_value_heads
     for what, size in (
         ("attention heads", config.num_attention_heads),
-        ("KV heads", config.num_key_value_heads),
         ("intermediate size", config.intermediate_size),
     ):
         if size % w:
             raise QServeError(
-                f"{what} ({size}) do not split over --tensor-parallel-size {w}: it must divide "
-                f"them (KV heads replicated across ranks are not supported yet)"
+                f"{what} ({size}) do not split over --tensor-parallel-size {w}: it must divide them"
             )
+    if kv % w and w % kv:
+        raise QServeError(
+            f"KV heads ({kv}) do not split over --tensor-parallel-size {w}: it must divide them "
+            "or be a multiple of them (each rank then holds one KV head, replicated)"
+        )
     return dataclasses.replace(
         config,
         num_attention_heads=config.num_attention_heads // w,
-        num_key_value_heads=config.num_key_value_heads // w,
+        num_key_value_heads=max(kv // w, 1),
         intermediate_size=config.intermediate_size // w,
         vocab_size=config.vocab_size // w if vocab_parallel(config, w) else config.vocab_size,
     )
+
+
+def kv_head_replicas(config: ModelConfig, world: int) -> int:
+    """How many ranks hold each KV head: 1 where the world divides the KV heads, else
+    world / KV heads (k_proj and v_proj are cut over the KV heads, not the ranks)."""
+    return max(world // config.num_key_value_heads, 1)
 
 
 def vocab_parallel(config: ModelConfig, world: int) -> bool:
@@ -106,11 +130,14 @@ def shard_state(
     tp: TPRank,
     quantization: Any = None,
     split_vocab: bool = False,
+    kv_replicas: int = 1,
 ) -> dict[str, torch.Tensor]:
     """Rank `tp.rank`'s share of a checkpoint's tensors: q/k/v and gate/up cut along their
     outputs, o_proj and down_proj along their inputs (bias on rank 0), with `split_vocab`
     (`vocab_parallel`) the embedding and lm_head by vocabulary rows, the rest whole. Each
-    linear in its checkpoint format (`quantization`: the config's QuantScheme, None: dense)."""
+    linear in its checkpoint format (`quantization`: the config's QuantScheme, None: dense).
+    With `kv_replicas` > 1 (`kv_head_replicas`) k_proj and v_proj are cut into world /
+    kv_replicas parts and rank r takes part r // kv_replicas: the KV head of its query heads."""
     modules: dict[str, dict[str, torch.Tensor]] = {}
     out: dict[str, torch.Tensor] = {}
     for name, tensor in state.items():
@@ -123,7 +150,13 @@ def shard_state(
             out[name] = tensor
     for prefix, tensors in modules.items():
         fmt, group_size = shard_format(prefix, tensors, quantization)
-        if prefix.rpartition(".")[2] in COLUMN or prefix == "lm_head":
+        if "weight_packed" in tensors:  # compressed-tensors 4/8-bit: the same codes as GPTQ's
+            tensors = _gptq_tensors(prefix, tensors, quantization.for_module(prefix).bits)
+        kind = prefix.rpartition(".")[2]
+        if kind in KV and kv_replicas > 1:
+            rank, parts = tp.rank // kv_replicas, tp.world // kv_replicas
+            part = column_shard(tensors, fmt, rank, parts, name=prefix)
+        elif kind in COLUMN or prefix == "lm_head":
             part = column_shard(tensors, fmt, tp.rank, tp.world, name=prefix)
         else:  # the model's module has a bias on every rank: zeros where rank 0 adds it
             part = row_shard(tensors, fmt, tp.rank, tp.world, group_size, name=prefix)
@@ -136,20 +169,21 @@ def shard_state(
 def shard_format(
     prefix: str, tensors: dict[str, torch.Tensor], quantization: Any
 ) -> tuple[str, int]:
-    """(`shard` format, group size) of one linear's checkpoint tensors. Refuses in one line
-    what the shards or the kernels cannot take yet: act-order GPTQ cut along K (a rank's
-    channels would hold parts of groups) and compressed-tensors' packed 4-bit layout."""
+    """(`shard` format, group size) of one linear's checkpoint tensors: compressed-tensors'
+    pack-quantized layers are cut as GPTQ (`_gptq_tensors`); act-order GPTQ cut along K keeps
+    every group's scales and zeros on each rank (`shard.row_shard`)."""
     scheme = None if quantization is None else quantization.for_module(prefix)
     if scheme is None:
         return "dense", -1
-    if "weight_packed" in tensors:
-        raise QServeError(f"{prefix}: tensor parallelism does not take pack-quantized weights yet")
-    if scheme.desc_act and prefix.rpartition(".")[2] in ROW:
-        raise QServeError(
-            f"{prefix}: tensor parallelism does not take act-order GPTQ (desc_act) yet"
-        )
     fmt = {"gptq": "gptq", "awq": "awq"}.get(scheme.format, "w8")
     return fmt, scheme.group_size
+
+
+def _gptq_tensors(prefix: str, tensors: dict[str, torch.Tensor], bits: int) -> dict:
+    """A pack-quantized linear's tensors in GPTQ v1 form (lossless), which `shard` cuts."""
+    state = {f"{prefix}.{suffix}": t for suffix, t in tensors.items()}
+    gptq_from_pack_quantized(prefix, state, bits)
+    return {name.rpartition(".")[2]: t for name, t in state.items()}
 
 
 def add_all_reduce(model: nn.Module, tp: TPRank, split_vocab: bool = False) -> int:

@@ -77,6 +77,7 @@ class WorkerArgs:
     world: int
     port: int | None  # None: the launcher's env:// rendezvous
     kind: str = "tensor"  # tensor | pipeline: how the ranks split the model
+    micro_batches: int = 1  # pipeline: micro-batches a step is cut into
 
 
 def free_port() -> int:
@@ -228,28 +229,31 @@ def start_workers(
         raise QServeError("tensor and pipeline parallelism run on CPU (gloo) so far, not on CUDA")
     world = max(tp_size, pp_size)
     kind = "tensor" if tp_size > 1 else "pipeline"
-    tp, pp = parallel_rank(kind, 0, world, model_config)
+    micro_batches = config.pipeline_micro_batches or pp_size
+    tp, pp = parallel_rank(kind, 0, world, model_config, micro_batches)
     (tp or pp).rank_config(model_config)  # refuses what does not split
     launched = launched_rank(world, kind)
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if launched is not None else world
     threads = threads_per_rank(config.num_threads, local)  # ranks on this machine share it
     torch.set_num_threads(threads)
     port = free_port() if launched is None else None
-    args = WorkerArgs(str(path), dtype, config.device, threads, world, port, kind)
+    args = WorkerArgs(str(path), dtype, config.device, threads, world, port, kind, micro_batches)
     if launched:  # a launched rank > 0: serve rank 0's steps, then end the process
         worker_main(launched, args)
         sys.exit(0)
     return Workers(args), tp, pp
 
 
-def parallel_rank(kind: str, rank: int, world: int, model_config: Any) -> tuple[Any, Any]:
+def parallel_rank(
+    kind: str, rank: int, world: int, model_config: Any, micro_batches: int = 1
+) -> tuple[Any, Any]:
     """(TPRank, None) or (None, PPRank): what `load_model` takes for rank `rank`."""
     from qserve.parallel.pipeline_parallel import PPRank
     from qserve.parallel.tensor_parallel import TPRank
 
     if kind == "tensor":
         return TPRank(rank, world), None
-    return None, PPRank(rank, world, model_config.num_hidden_layers)
+    return None, PPRank(rank, world, model_config.num_hidden_layers, micro_batches)
 
 
 def worker_main(rank: int, args: WorkerArgs) -> None:
@@ -273,7 +277,7 @@ def _serve(rank: int, args: WorkerArgs) -> None:
     torch.set_num_threads(args.num_threads)
     init_group(rank, args.world, args.port)
     full_config = ModelConfig.from_pretrained(args.model_path)
-    tp, pp = parallel_rank(args.kind, rank, args.world, full_config)
+    tp, pp = parallel_rank(args.kind, rank, args.world, full_config, args.micro_batches)
     model, config = load_model(args.model_path, args.dtype, args.device, tp=tp, pp=pp)
     box: list[Any] = [None]
     dist.broadcast_object_list(box, src=0)  # rank 0's KV cache spec: the same number of blocks

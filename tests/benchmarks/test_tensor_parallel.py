@@ -17,8 +17,9 @@ def test_rows_and_weights_per_rank(tmp_path: Path) -> None:
             "--num-requests", "3", "--output", str(out)]  # fmt: skip
     assert tensor_parallel.main(argv) == 0
     rows = json.loads(out.read_text())["rows"]
-    assert [(r["tp"], r["pp"], r["threads_per_rank"]) for r in rows] == [
-        (1, 1, 1), (1, 1, 2), (2, 1, 1), (1, 2, 1),
+    assert [(r["tp"], r["pp"], r["threads_per_rank"], r["micro_batches"]) for r in rows] == [
+        (1, 1, 1, None), (1, 1, 2, None), (2, 1, 1, None), (1, 2, 1, 1), (1, 2, 1, 2),
+        (1, 2, 1, 4),
     ]  # fmt: skip
     for r in rows:
         assert r["decode_ms_b1"] > 0 and r["decode_ms_b2"] > 0 and r["workload_tokens_per_s"] > 0

@@ -92,7 +92,9 @@ def _assert_same(one: tuple, two: tuple, tol: float = 1e-4) -> None:
     ],
     ids=["roomy", "chunked-prefill", "preemption"],
 )
-@pytest.mark.parametrize("split", [dict(tp=2), dict(pp=2)], ids=["tp2", "pp2"])
+@pytest.mark.parametrize(
+    "split", [dict(tp=2), dict(pp=2), dict(tp=2, pp=2)], ids=["tp2", "pp2", "tp2-pp2"]
+)
 def test_two_processes_equal_one(deep_model_dir, prompts, args, split):
     one = _run(deep_model_dir, prompts, **dict(args))
     two = _run(deep_model_dir, prompts, **split, **dict(args))
@@ -105,8 +107,8 @@ def test_two_processes_equal_one(deep_model_dir, prompts, args, split):
 @pytest.mark.parametrize("micro_batches", [1, 3])
 def test_pipeline_micro_batches_do_not_change_the_output(deep_model_dir, prompts, micro_batches):
     """The default cut (2 micro-batches for 2 stages) is above; the stages in turn (1) and 3
-    micro-batches (a decode step of 6 sequences: 2 each) give one process's output too."""
-    args = dict(kv_cache_memory="16MiB", max_num_batched_tokens=24)
+    micro-batches (the prefill chunks of mixed prompts) give one process's output too."""
+    args = dict(kv_cache_memory="16MiB", max_num_batched_tokens=100)
     one = _run(deep_model_dir, prompts, **args)
     _assert_same(one, _run(deep_model_dir, prompts, pp=2, pipeline_micro_batches=micro_batches,
                            **args))  # fmt: skip
@@ -117,10 +119,13 @@ def test_pipeline_micro_batches_do_not_change_the_output(deep_model_dir, prompts
     [
         (dict(tensor_parallel_size=3), "do not split over --tensor-parallel-size 3"),
         (dict(pipeline_parallel_size=3), "more stages than the model's 2 decoder layers"),
-        (dict(tensor_parallel_size=2, pipeline_parallel_size=2), "not combined yet"),
+        (
+            dict(tensor_parallel_size=3, pipeline_parallel_size=2),
+            "split over --tensor-parallel-size 3",
+        ),
         (dict(device="cuda", tensor_parallel_size=2), "CPU"),
     ],
-    ids=["tp-heads", "pp-layers", "tp-and-pp", "cuda"],
+    ids=["tp-heads", "pp-layers", "tp-heads-with-pp", "cuda"],
 )
 def test_what_does_not_split_is_refused_before_starting(model_dir, args, message):
     with pytest.raises(QServeError, match=message) as info:

@@ -182,18 +182,24 @@ def test_pipeline_stages_split_the_layers_and_rename_them() -> None:
 def test_micro_batches_cut_whole_sequences_into_equal_token_shares() -> None:
     from qserve.parallel.pipeline_parallel import micro_batches
 
-    assert micro_batches([1] * 8, 2) == [((0, 4), (0, 4)), ((4, 8), (4, 8))]
-    assert micro_batches([5, 40, 25, 70, 1, 33], 2) == [((0, 3), (0, 70)), ((3, 6), (70, 174))]
-    assert micro_batches([100], 4) == [((0, 1), (0, 100))]  # a sequence is never cut
-    assert micro_batches([1, 1], 4) == [((0, 1), (0, 1)), ((1, 2), (1, 2))]
-    assert micro_batches([3, 4, 5], 1) == [((0, 3), (0, 12))]
+    def cut(lens: list[int], parts: int) -> list:
+        return micro_batches(lens, parts, min_tokens=1)
+
+    assert cut([1] * 8, 2) == [((0, 4), (0, 4)), ((4, 8), (4, 8))]
+    assert cut([5, 40, 25, 70, 1, 33], 2) == [((0, 3), (0, 70)), ((3, 6), (70, 174))]
+    assert cut([100], 4) == [((0, 1), (0, 100))]  # a sequence is never cut
+    assert cut([1, 1], 4) == [((0, 1), (0, 1)), ((1, 2), (1, 2))]
+    assert cut([3, 4, 5], 1) == [((0, 3), (0, 12))]
     for lens in ([7, 1, 9, 2, 2, 30], [1] * 5, [64, 64, 1]):
         for parts in (1, 2, 3, 4):
-            cut = micro_batches(lens, parts)
-            assert 1 <= len(cut) <= parts and cut[0][0][0] == 0 and cut[-1][0][1] == len(lens)
-            for (seqs, tokens), (nxt, nxt_tokens) in zip(cut, cut[1:]):
+            got = cut(lens, parts)
+            assert 1 <= len(got) <= parts and got[0][0][0] == 0 and got[-1][0][1] == len(lens)
+            for (seqs, tokens), (nxt, nxt_tokens) in zip(got, got[1:]):
                 assert seqs[1] == nxt[0] and tokens[1] == nxt_tokens[0]
-            assert all(t1 - t0 == sum(lens[a:b]) for (a, b), (t0, t1) in cut)
+            assert all(t1 - t0 == sum(lens[a:b]) for (a, b), (t0, t1) in got)
+    # the default keeps decode steps of a few sequences whole (each part reads every weight)
+    assert len(micro_batches([1] * 8, 2)) == 1
+    assert len(micro_batches([1] * 64, 4)) == 2 and len(micro_batches([128] * 8, 4)) == 4
 
 
 def test_attention_metadata_of_some_sequences() -> None:

@@ -60,10 +60,13 @@ def generate(
         ignore_eos=ignore_eos,
     )
     engine = LLMEngine(engine_config(**engine_kw))
-    for i, prompt in enumerate(prompts):
-        engine.add_request(str(i), prompt, params)
-    stream = len(prompts) == 1 and not as_json
-    finished = _run_to_completion(engine, stream)
+    try:  # parallel workers stop here, not in an exit handler
+        for i, prompt in enumerate(prompts):
+            engine.add_request(str(i), prompt, params)
+        stream = len(prompts) == 1 and not as_json
+        finished = _run_to_completion(engine, stream)
+    finally:
+        engine.close()
     if as_json:
         click.echo(json.dumps([_as_dict(finished[str(i)]) for i in range(len(prompts))], indent=2))
     elif not stream:
@@ -310,7 +313,10 @@ def _perplexity(
 
     text = load_eval_text(data)  # fails fast, before the model loads
     engine = LLMEngine(engine_config(**engine_kw))
-    result = evaluate_text(engine, text, seq_len, max_tokens)
+    try:
+        result = evaluate_text(engine, text, seq_len, max_tokens)
+    finally:
+        engine.close()
     if as_json:
         info = {
             "model": engine_kw["model"],

@@ -171,9 +171,10 @@ class ModelRunner:
             self.model.compute_logits(hidden[message.logits_indices])
 
     def _computes_logits(self) -> bool:
-        """Whether this rank's lm_head takes part in the logits (tensor parallel: every rank,
-        a vocab-parallel one gathers; pipeline stages > 0 leave them to stage 0)."""
-        return getattr(self.model.model, "stage", None) is None
+        """Whether this rank's lm_head takes part in the logits (tensor parallel: every rank of
+        stage 0, a vocab-parallel one gathers; pipeline stages > 0 leave them to stage 0)."""
+        stage = getattr(self.model.model, "stage", None)
+        return stage is None or stage.is_first
 
     def graph_logits(self, batch: ModelInput) -> torch.Tensor | None:
         """A decode batch's logits through the compiled decode step; None: run it eagerly."""

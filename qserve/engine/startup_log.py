@@ -62,7 +62,6 @@ def _decode_mode(engine: LLMEngine) -> str:
     if engine.config.enforce_eager:
         return "eager (--enforce-eager)"
     if engine.workers is not None:
-        c = engine.config
-        kind = "tensor" if c.tensor_parallel_size > 1 else "pipeline"
-        return f"eager ({kind} parallel over {engine.workers.args.world} processes)"
+        args = engine.workers.args
+        return f"eager ({args.kind}-parallel over {args.world} processes)"
     return f"eager (step graphs are CPU-only; {engine.config.device} runs eager)"

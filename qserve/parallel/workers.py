@@ -1,5 +1,6 @@
-"""Worker processes (issue 24): ranks 1 .. N-1 of `--tensor-parallel-size N` or
-`--pipeline-parallel-size N`.
+"""Worker processes (issue 24): ranks 1 .. N-1 of `--tensor-parallel-size T` and / or
+`--pipeline-parallel-size P` (N = T x P; rank r is tensor-parallel rank r % T of stage r // T,
+each stage's T ranks all-reducing in their own process group).
 
 Rank 0 is the engine's own process: it runs the scheduler, builds each step's batch and, before
 its own forward, broadcasts the batch to the workers as plain data (`StepMessage`: token ids,
@@ -74,10 +75,21 @@ class WorkerArgs:
     dtype: torch.dtype
     device: str
     num_threads: int
-    world: int
     port: int | None  # None: the launcher's env:// rendezvous
-    kind: str = "tensor"  # tensor | pipeline: how the ranks split the model
+    tp_size: int = 1  # ranks s * tp_size .. (s + 1) * tp_size - 1 shard stage s's layers
+    pp_size: int = 1
     micro_batches: int = 1  # pipeline: micro-batches a step is cut into
+
+    @property
+    def world(self) -> int:
+        return self.tp_size * self.pp_size
+
+    @property
+    def kind(self) -> str:
+        """How the ranks split the model, for messages: tensor, pipeline, or both."""
+        if self.pp_size == 1:
+            return "tensor"
+        return "pipeline" if self.tp_size == 1 else "tensor- and pipeline"
 
 
 def free_port() -> int:
@@ -86,31 +98,43 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_group(rank: int, world: int, port: int | None) -> None:
+def init_group(rank: int, args: WorkerArgs) -> None:
     """Join the gloo group: on a loopback port rank 0 picked, or (port None) through the
-    launcher's env:// rendezvous (MASTER_ADDR, MASTER_PORT)."""
+    launcher's env:// rendezvous (MASTER_ADDR, MASTER_PORT). With both kinds of parallelism,
+    every rank also makes each stage's tensor-parallel group (`stage_groups`)."""
     import torch.distributed as dist
 
     dist.init_process_group(
         "gloo",
-        init_method="env://" if port is None else f"tcp://127.0.0.1:{port}",
+        init_method="env://" if args.port is None else f"tcp://127.0.0.1:{args.port}",
         rank=rank,
-        world_size=world,
+        world_size=args.world,
         timeout=COLLECTIVE_TIMEOUT,
     )
+    _STAGE_GROUPS.clear()
+    if args.tp_size > 1 and args.pp_size > 1:  # every rank makes every group, in one order
+        for s in range(args.pp_size):
+            ranks = list(range(s * args.tp_size, (s + 1) * args.tp_size))
+            _STAGE_GROUPS.append(dist.new_group(ranks, timeout=COLLECTIVE_TIMEOUT))
 
 
-def launched_rank(world: int, kind: str) -> int | None:
+_STAGE_GROUPS: list[Any] = []  # stage s's tensor-parallel process group (TP x PP only)
+
+
+def launched_rank(args: WorkerArgs) -> int | None:
     """This process's rank when a launcher started every rank (torchrun, or RANK / WORLD_SIZE /
     MASTER_ADDR / MASTER_PORT set by hand, one process per rank, on any machines); None when
     rank 0 is to spawn the others here."""
     env = os.environ
     if int(env.get("WORLD_SIZE", "1")) <= 1:
         return None
-    if int(env["WORLD_SIZE"]) != world:
+    if int(env["WORLD_SIZE"]) != args.world:
+        sizes = [f"--{k}-parallel-size {n}" for k, n in
+                 (("tensor", args.tp_size), ("pipeline", args.pp_size)) if n > 1]  # fmt: skip
+        product = f" = {args.world}" if len(sizes) > 1 else ""
         raise QServeError(
-            f"WORLD_SIZE {env['WORLD_SIZE']} (from the launcher) is not "
-            f"--{kind}-parallel-size {world}"
+            f"WORLD_SIZE {env['WORLD_SIZE']} (from the launcher) is not {' x '.join(sizes)}"
+            f"{product}"
         )
     missing = [k for k in ("RANK", "MASTER_ADDR", "MASTER_PORT") if k not in env]
     if missing:
@@ -145,7 +169,7 @@ class Workers:
             p.start()
         self.closed = False
         atexit.register(self.close)
-        init_group(0, args.world, args.port)
+        init_group(0, args)
 
     def check_alive(self) -> None:
         """One line naming the first worker that has exited."""
@@ -209,6 +233,7 @@ class Workers:
             if p.is_alive():
                 p.kill()
                 p.join()
+        _STAGE_GROUPS.clear()
         if dist.is_initialized():
             dist.destroy_process_group()
 
@@ -223,37 +248,42 @@ def start_workers(
     tp_size, pp_size = config.tensor_parallel_size, config.pipeline_parallel_size
     if tp_size == pp_size == 1:
         return None, None, None
-    if tp_size > 1 and pp_size > 1:
-        raise QServeError("tensor and pipeline parallelism are not combined yet: set one of them")
     if not config.device.startswith("cpu"):
         raise QServeError("tensor and pipeline parallelism run on CPU (gloo) so far, not on CUDA")
-    world = max(tp_size, pp_size)
-    kind = "tensor" if tp_size > 1 else "pipeline"
     micro_batches = config.pipeline_micro_batches or pp_size
-    tp, pp = parallel_rank(kind, 0, world, model_config, micro_batches)
-    (tp or pp).rank_config(model_config)  # refuses what does not split
-    launched = launched_rank(world, kind)
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if launched is not None else world
+    args = WorkerArgs(str(path), dtype, config.device, 1, None, tp_size, pp_size, micro_batches)
+    for tp, pp in (parallel_rank(args, r, model_config) for r in (0, args.world - 1)):
+        for part in (tp, pp):  # refuse what does not split (the last stage has the fewest
+            if part is not None:  # layers), in one line, before anything starts
+                part.rank_config(model_config)
+    launched = launched_rank(args)
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if launched is not None else args.world
     threads = threads_per_rank(config.num_threads, local)  # ranks on this machine share it
     torch.set_num_threads(threads)
     port = free_port() if launched is None else None
-    args = WorkerArgs(str(path), dtype, config.device, threads, world, port, kind, micro_batches)
+    args = dataclasses.replace(args, num_threads=threads, port=port)
     if launched:  # a launched rank > 0: serve rank 0's steps, then end the process
         worker_main(launched, args)
         sys.exit(0)
-    return Workers(args), tp, pp
+    workers = Workers(args)
+    return (workers, *parallel_rank(args, 0, model_config))  # after the groups are made
 
 
-def parallel_rank(
-    kind: str, rank: int, world: int, model_config: Any, micro_batches: int = 1
-) -> tuple[Any, Any]:
-    """(TPRank, None) or (None, PPRank): what `load_model` takes for rank `rank`."""
+def parallel_rank(args: WorkerArgs, rank: int, model_config: Any) -> tuple[Any, Any]:
+    """(TPRank or None, PPRank or None): what `load_model` takes for global rank `rank`, which
+    is tensor-parallel rank rank % tp_size of stage rank // tp_size (vLLM's order)."""
     from qserve.parallel.pipeline_parallel import PPRank
     from qserve.parallel.tensor_parallel import TPRank
 
-    if kind == "tensor":
-        return TPRank(rank, world), None
-    return None, PPRank(rank, world, model_config.num_hidden_layers, micro_batches)
+    tp_rank, stage = rank % args.tp_size, rank // args.tp_size
+    tp = pp = None
+    if args.tp_size > 1:
+        group = _STAGE_GROUPS[stage] if _STAGE_GROUPS else None
+        tp = TPRank(tp_rank, args.tp_size, group)
+    if args.pp_size > 1:
+        layers = model_config.num_hidden_layers
+        pp = PPRank(stage, args.pp_size, layers, args.micro_batches, args.tp_size, tp_rank)
+    return tp, pp
 
 
 def worker_main(rank: int, args: WorkerArgs) -> None:
@@ -275,9 +305,9 @@ def _serve(rank: int, args: WorkerArgs) -> None:
     from qserve.model.loader import load_model
 
     torch.set_num_threads(args.num_threads)
-    init_group(rank, args.world, args.port)
+    init_group(rank, args)
     full_config = ModelConfig.from_pretrained(args.model_path)
-    tp, pp = parallel_rank(args.kind, rank, args.world, full_config, args.micro_batches)
+    tp, pp = parallel_rank(args, rank, full_config)
     model, config = load_model(args.model_path, args.dtype, args.device, tp=tp, pp=pp)
     box: list[Any] = [None]
     dist.broadcast_object_list(box, src=0)  # rank 0's KV cache spec: the same number of blocks

@@ -3,6 +3,7 @@ at TP=1, TP=2 and PP=2, with the weight memory each rank holds, in one run.
 
     python benchmarks/tensor_parallel.py [--model qwen2.5-coder-0.5b] [--dtype float32]
         [--batch-sizes 1 8] [--prompt-len 64] [--steps 16] [--num-requests 16]
+        [--prefill-prompts 8] [--prefill-len 128]
         [--output benchmarks/results/tensor_parallel.json]
 
 Rows: TP=1 with one thread, TP=1 with two threads (the whole machine in one process), TP=2 and
@@ -10,7 +11,9 @@ PP=2 with one thread per rank (gloo between two processes), PP=2 with its stages
 with each step cut into 2 and 4 micro-batches (`--pipeline-micro-batches`). Decode: B
 requests of --prompt-len tokens, stepped once each is past its prompt, the median of --steps
 steps (`throughput.py`'s steady-state measurement). Workload: --num-requests requests of
-32-256 prompt and 16-64 output tokens added at once, output tokens/s to completion. Weights:
+32-256 prompt and 16-64 output tokens added at once, output tokens/s to completion. Prefill:
+--prefill-prompts prompts of --prefill-len tokens and one output token each, seconds (the
+median of 3; where pipeline micro-batches overlap the stages). Weights:
 the bytes of rank 0's parameters and buffers (every TP rank holds the same; PP stage 0 holds
 the most layers). NCCL on GPUs is not built: CPU only. Prints a table and writes JSON.
 """
@@ -71,6 +74,21 @@ def decode_ms(llm: Any, prompts: list[list[int]], steps: int) -> float:
     return 1e3 * statistics.median(times)
 
 
+def prefill_s(llm: Any, prompts: list[list[int]], repeats: int = 3) -> float:
+    """Seconds to prefill every prompt and sample one token (the median of `repeats`, each on
+    prompts shifted so that no prefix is cached)."""
+    from qserve import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    times = []
+    for i in range(repeats):
+        shifted = [[t + i for t in p] for p in prompts]
+        start = time.perf_counter()
+        llm.generate(shifted, params)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
 def workload_tokens_per_s(llm: Any, requests: list[Any]) -> float:
     from qserve import SamplingParams
 
@@ -91,6 +109,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     path = resolve_model(args.model)
     tokenizer = load_tokenizer(path)
     requests = make_workload(tokenizer, WorkloadConfig(args.num_requests, 32, 256, 16, 64, 0))
+    gen = torch.Generator().manual_seed(0)
+    top = min(20000, len(tokenizer)) - 3  # ids of real tokens, shifted by up to 2 (prefill_s)
+    prefill_prompts = [torch.randint(3, top, (args.prefill_len,), generator=gen).tolist()
+                       for _ in range(args.prefill_prompts)]  # fmt: skip
     rows = []
     for label, tp, pp, threads, micro in CONFIGS:
         print(f"{label} ...", flush=True)
@@ -103,6 +125,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             for b in args.batch_sizes:
                 prompts = throughput.decode_prompts(tokenizer, _decode_args(args), b)
                 row[f"decode_ms_b{b}"] = decode_ms(llm, prompts, args.steps)
+            row["prefill_s"] = prefill_s(llm, prefill_prompts)
             row["workload_tokens_per_s"] = workload_tokens_per_s(llm, requests)
         finally:
             llm.engine.close()
@@ -119,12 +142,12 @@ def format_table(summary: dict[str, Any]) -> str:
     head = f"{'config':<24}{'weights MB/rank':>16}" + "".join(
         f"{f'B={b} ms/step':>15}" for b in batches
     )
-    head += f"{'workload tok/s':>16}"
+    head += f"{'prefill s':>11}{'workload tok/s':>16}"
     lines = [head, "-" * len(head)]
     for r in summary["rows"]:
         line = f"{r['label']:<24}{r['weight_mb_per_rank']:>16.1f}"
         line += "".join(f"{r[f'decode_ms_b{b}']:>15.1f}" for b in batches)
-        lines.append(line + f"{r['workload_tokens_per_s']:>16.1f}")
+        lines.append(line + f"{r['prefill_s']:>11.2f}{r['workload_tokens_per_s']:>16.1f}")
     return "\n".join(lines)
 
 
@@ -136,10 +159,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--steps", type=int, default=16)
     p.add_argument("--num-requests", type=int, default=16)
+    p.add_argument("--prefill-prompts", type=int, default=8)
+    p.add_argument("--prefill-len", type=int, default=128)
     p.add_argument("--output", type=Path, default=DEFAULT_OUTPUT)
     args = p.parse_args(argv)
-    if min(args.batch_sizes) < 1 or args.steps < 1 or args.prompt_len < 1:
-        p.error("batch sizes, --steps and --prompt-len must be positive")
+    sizes = (min(args.batch_sizes), args.steps, args.prompt_len, args.prefill_prompts,
+             args.prefill_len)  # fmt: skip
+    if min(sizes) < 1:
+        p.error("batch sizes, --steps, --prompt-len and the prefill sizes must be positive")
     return args
 
 

@@ -14,7 +14,8 @@ def test_rows_and_weights_per_rank(tmp_path: Path) -> None:
     tiny = save_tiny_llama(tmp_path / "tiny")
     out = tmp_path / "tp.json"
     argv = ["--model", str(tiny), "--batch-sizes", "1", "2", "--steps", "2", "--prompt-len", "8",
-            "--num-requests", "3", "--output", str(out)]  # fmt: skip
+            "--num-requests", "3", "--prefill-prompts", "2", "--prefill-len", "40",
+            "--output", str(out)]  # fmt: skip
     assert tensor_parallel.main(argv) == 0
     rows = json.loads(out.read_text())["rows"]
     assert [(r["tp"], r["pp"], r["threads_per_rank"], r["micro_batches"]) for r in rows] == [
@@ -23,5 +24,6 @@ def test_rows_and_weights_per_rank(tmp_path: Path) -> None:
     ]  # fmt: skip
     for r in rows:
         assert r["decode_ms_b1"] > 0 and r["decode_ms_b2"] > 0 and r["workload_tokens_per_s"] > 0
+        assert r["prefill_s"] > 0
     assert rows[2]["weight_mb_per_rank"] < rows[0]["weight_mb_per_rank"]
     assert rows[3]["weight_mb_per_rank"] < rows[0]["weight_mb_per_rank"]

@@ -73,10 +73,10 @@ class EngineConfig:
         None, "torch CPU threads.", default_text="torch's"
     )
     tensor_parallel_size: Annotated[int, Range(1)] = setting(
-        1, "Processes that each run a shard of every layer (CPU, gloo; dense Llama family)."
+        1, "Processes that each run a shard of every layer (CPU, gloo; Llama family, Gemma 3)."
     )
     pipeline_parallel_size: Annotated[int, Range(1)] = setting(
-        1, "Processes that each run a range of the layers (CPU, gloo; Llama family, no MoE)."
+        1, "Processes that each run a range of the layers (CPU, gloo; Llama family, Gemma 3)."
     )
     pipeline_micro_batches: Annotated[int, Range(1)] | None = setting(
         None,

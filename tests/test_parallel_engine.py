@@ -114,6 +114,18 @@ def test_pipeline_micro_batches_do_not_change_the_output(deep_model_dir, prompts
                            **args))  # fmt: skip
 
 
+def test_gemma3_stages_and_shards_equal_one_process(tmp_path, prompts):
+    """Gemma 3 (sliding and global layers, scaled tied embedding, soft-capped logits, no
+    residual stream between layers): PP=2, one layer a stage, in micro-batches; TP=2."""
+    folder = tmp_path / "gemma3"
+    build_tiny_model("gemma3", vocab_size=1000).save_pretrained(folder)
+    byte_bpe_tokenizer().save_pretrained(folder)
+    args = dict(kv_cache_memory="16MiB", max_num_batched_tokens=100)
+    one = _run(folder, prompts, **args)
+    _assert_same(one, _run(folder, prompts, pp=2, **args))
+    _assert_same(one, _run(folder, prompts, tp=2, **args))
+
+
 @pytest.mark.parametrize(
     "args, message",
     [

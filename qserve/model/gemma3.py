@@ -14,6 +14,7 @@ reuses, so that loading, quantized layers and merged projections work the same):
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -96,6 +97,7 @@ class Gemma3Model(nn.Module):
             config, rope_theta=config.local_rope_theta or config.rope_theta, rope_scaling=None
         )
         self.rotary_emb_local = RotaryEmbedding(local)
+        self.stage: Any = None  # a pipeline-parallel stage, as LlamaModel's
 
     def forward(
         self,
@@ -104,14 +106,35 @@ class Gemma3Model(nn.Module):
         kv_caches: list[torch.Tensor],
         attn_metadata: AttentionMetadata,
     ) -> torch.Tensor:
+        if self.stage is not None:
+            return self.stage.forward(self, input_ids, positions, kv_caches, attn_metadata)
+        hidden = self.embed(input_ids)
+        hidden, _ = self.decode_layers(hidden, None, positions, kv_caches, attn_metadata)
+        return self.final_norm(hidden, None)
+
+    has_residual = False  # each layer adds its own output back (post-norms)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         embeds = self.embed_tokens(input_ids)  # [num_tokens, hidden]
-        hidden = embeds * torch.tensor(self.embed_scale, dtype=embeds.dtype)
+        return embeds * torch.tensor(self.embed_scale, dtype=embeds.dtype)
+
+    def decode_layers(
+        self,
+        hidden: torch.Tensor,
+        residual: None,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        attn_metadata: AttentionMetadata,
+    ) -> tuple[torch.Tensor, None]:
         ropes = {
             False: self.rotary_emb(positions, attn_metadata),
             True: self.rotary_emb_local(positions, attn_metadata),
         }
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden = layer(hidden, ropes[layer.is_sliding], kv_cache, attn_metadata)
+        return hidden, None
+
+    def final_norm(self, hidden: torch.Tensor, residual: None) -> torch.Tensor:
         return self.norm(hidden)
 
 

@@ -182,9 +182,16 @@ class LlamaModel(nn.Module):
     ) -> torch.Tensor:
         if self.stage is not None:  # its layers, in micro-batches between the stages
             return self.stage.forward(self, input_ids, positions, kv_caches, attn_metadata)
-        hidden = self.embed_tokens(input_ids)  # [num_tokens, hidden]
+        hidden = self.embed(input_ids)  # [num_tokens, hidden]
         hidden, residual = self.decode_layers(hidden, None, positions, kv_caches, attn_metadata)
         return self.final_norm(hidden, residual)
+
+    # what a pipeline stage runs (`PPRank.forward`): embed (stage 0), the layers on the states
+    # the previous stage sent, the final norm (last stage)
+    has_residual = True  # the layers carry a residual stream beside the hidden states
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
 
     def decode_layers(
         self,

@@ -18,8 +18,9 @@ m + 1, so the stages overlap instead of running one after the other.
     load_model(path, dtype, pp=stage)  # rank_config, shard_state, attach (model.model.stage)
 
 A step is still one step: rank 0 schedules the next only when this one's logits are back
-(vLLM's virtual engines, several steps in flight, are not built). Llama family without
-mixtures of experts only. With tensor parallelism as well, each stage is a tensor-parallel
+(vLLM's virtual engines, several steps in flight, are not built). Llama family and Gemma 3
+(which has no residual stream between layers: only hidden states pass) without mixtures of
+experts. With tensor parallelism as well, each stage is a tensor-parallel
 group and states pass between the processes of the same tensor-parallel rank.
 """
 
@@ -95,7 +96,7 @@ class PPRank:
     # what `loader.load_model(..., pp=...)` calls (the model code does not import this package)
     def rank_config(self, config: ModelConfig) -> ModelConfig:
         """The config of a model of this stage's layers only."""
-        if config.family != "llama":
+        if config.family not in ("llama", "gemma3"):
             raise QServeError(f"pipeline parallelism does not take {config.architecture} yet")
         if config.num_experts:
             raise QServeError("pipeline parallelism does not take mixture-of-experts models yet")
@@ -144,6 +145,7 @@ class PPRank:
         dtype = stack.embed_tokens.weight.dtype
         width = stack.embed_tokens.weight.shape[1]
         parts = micro_batches(attn_metadata.query_lens_cpu, self.micro_batches)
+        states = 2 if stack.has_residual else 1  # hidden states, and the residual stream
         finals = []  # stage 0: posted first, so the last stage's sends complete while it works
         for m, (_, (t0, t1)) in enumerate(parts if self.is_first else []):
             buf = torch.empty(t1 - t0, width, dtype=dtype)
@@ -152,16 +154,18 @@ class PPRank:
         for m, ((s0, s1), (t0, t1)) in enumerate(parts):
             md = attn_metadata if len(parts) == 1 else attn_metadata.seqs(s0, s1)
             if self.is_first:
-                hidden, residual = stack.embed_tokens(input_ids[t0:t1]), None
+                hidden, residual = stack.embed(input_ids[t0:t1]), None
             else:
-                hidden, residual = self._recv(m, t1 - t0, width, dtype)
+                hidden, *rest = self._recv(m, states, t1 - t0, width, dtype)
+                residual = rest[0] if rest else None
             hidden, residual = stack.decode_layers(hidden, residual, positions[t0:t1],
                                                    kv_caches, md)  # fmt: skip
             if self.is_last:
                 out = stack.final_norm(hidden, residual).contiguous()
                 sends.append((out, dist.isend(out, self.peer(0), tag=m)))
                 continue
-            for i, t in enumerate((hidden.contiguous(), residual.contiguous())):
+            for i, t in enumerate((hidden, residual)[:states]):
+                t = t.contiguous()
                 sends.append((t, dist.isend(t, self.peer(self.rank + 1), tag=2 * m + i)))
         for _, work in sends + finals:
             work.wait()
@@ -170,15 +174,15 @@ class PPRank:
         return torch.empty(0, width, dtype=dtype)  # the step's result is on stage 0
 
     def _recv(
-        self, m: int, tokens: int, width: int, dtype: torch.dtype
-    ) -> tuple[torch.Tensor, ...]:
-        """The previous stage's hidden states and residual stream of micro-batch m."""
+        self, m: int, states: int, tokens: int, width: int, dtype: torch.dtype
+    ) -> list[torch.Tensor]:
+        """The previous stage's hidden states (and residual stream) of micro-batch m."""
         import torch.distributed as dist
 
-        hidden, residual = (torch.empty(tokens, width, dtype=dtype) for _ in range(2))
-        dist.recv(hidden, self.peer(self.rank - 1), tag=2 * m)
-        dist.recv(residual, self.peer(self.rank - 1), tag=2 * m + 1)
-        return hidden, residual
+        out = [torch.empty(tokens, width, dtype=dtype) for _ in range(states)]
+        for i, t in enumerate(out):
+            dist.recv(t, self.peer(self.rank - 1), tag=2 * m + i)
+        return out
 
 
 def micro_batches(

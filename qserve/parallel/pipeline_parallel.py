@@ -135,9 +135,10 @@ class PPRank:
         kv_caches: list[torch.Tensor],
         attn_metadata: Any,
     ) -> torch.Tensor:
-        """This stage's part of one step (`stack`: the LlamaModel of its layers), over the
-        step's micro-batches (`micro_batches`) in order: stage 0 embeds, the others receive the
-        previous stage's hidden states and residual stream; each sends its result on without
+        """This stage's part of one step (`stack`: the decoder stack of its layers, LlamaModel
+        or Gemma3Model), over the step's micro-batches (`micro_batches`) in order: stage 0
+        embeds, the others receive the previous stage's hidden states (and residual stream,
+        where the stack has one, `has_residual`); each sends its result on without
         waiting (so stage s runs micro-batch m + 1 while stage s + 1 runs m), the last stage
         its normed states to stage 0. Stage 0 returns the whole batch's normed states."""
         import torch.distributed as dist

@@ -101,7 +101,7 @@ def free_port() -> int:
 def init_group(rank: int, args: WorkerArgs) -> None:
     """Join the gloo group: on a loopback port rank 0 picked, or (port None) through the
     launcher's env:// rendezvous (MASTER_ADDR, MASTER_PORT). With both kinds of parallelism,
-    every rank also makes each stage's tensor-parallel group (`stage_groups`)."""
+    every rank also makes each stage's tensor-parallel group (`_STAGE_GROUPS`)."""
     import torch.distributed as dist
 
     dist.init_process_group(

@@ -2,12 +2,13 @@
 
     python benchmarks/decode.py [--model smollm2-135m] [--batch-sizes 1 16 64]
         [--decode-prompt-len 64] [--decode-steps 16] [--num-threads 2] [--skip-hf]
-        [--output benchmarks/results/decode.json]
+        [--device cpu|cuda] [--output benchmarks/results/decode.json]
 
 Rows: dense fp32, dense bf16, W4 (RTN, group 64 or the largest dividing every linear) with
 lm_head 16-bit, and W4 with a W4 lm_head (`--quantize-lm-head`); each in qserve's engine,
-eager (`--enforce-eager`) and with the compiled decode step (step graphs: the batch size's
-graph is captured in an untimed step, and its capture time reported). A row's ms/token is the
+eager (`--enforce-eager`) and with the compiled decode step (step graphs on CPU, CUDA graphs
+with `--device cuda`: the batch size's graph is captured in an untimed step, and its capture
+time reported). A row's ms/token is the
 median wall time of one decode step with B requests running (`throughput.py`'s steady-state
 measurement: all engines prefilled, then stepped round robin), i.e. each sequence's time per
 token.
@@ -46,17 +47,25 @@ DEFAULT_OUTPUT = Path(__file__).resolve().parent / "results" / "decode.json"
 BANDWIDTH_BYTES = 1 << 30
 
 
-def read_bandwidth(num_threads: int, repeats: int = 7) -> float:
-    """GB/s of reading a 1 GiB fp32 buffer (a sum over it), the median of `repeats`."""
+def read_bandwidth(num_threads: int, repeats: int = 7, device: str = "cpu") -> float:
+    """GB/s of reading a 1 GiB fp32 buffer (a sum over it) on `device`, the median of
+    `repeats`."""
     torch.set_num_threads(num_threads)
-    buf = torch.ones(BANDWIDTH_BYTES // 4)
+    buf = torch.ones(BANDWIDTH_BYTES // 4, device=device)
     buf.sum()  # touch every page first
     times = []
     for _ in range(repeats):
+        _sync(device)
         t = time.perf_counter()
         buf.sum()
+        _sync(device)
         times.append(time.perf_counter() - t)
     return BANDWIDTH_BYTES / statistics.median(times) / 1e9
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize(device)
 
 
 def step_bytes(model: torch.nn.Module) -> int:
@@ -139,7 +148,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     model = resolve_model(args.model)
     tokenizer = AutoTokenizer.from_pretrained(model)
-    bandwidth = read_bandwidth(args.num_threads)
+    bandwidth = read_bandwidth(args.num_threads, device=args.device)
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="qserve-decode-") as tmp:
         specs = eager_and_graphs(
@@ -162,8 +171,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             del engines
             gc.collect()
     hf = None if args.skip_hf else hf_ms_per_token(model, prompts[0], args.num_threads)
-    return {"model": args.model, "settings": run_arguments(args), "read_gb_s": bandwidth,
-            "hf_bf16_ms_per_token_b1": hf, "rows": rows}  # fmt: skip
+    return {"model": args.model, "device": args.device, "settings": run_arguments(args),
+            "read_gb_s": bandwidth, "hf_bf16_ms_per_token_b1": hf, "rows": rows}  # fmt: skip
 
 
 def format_table(summary: dict[str, Any]) -> str:
@@ -171,7 +180,8 @@ def format_table(summary: dict[str, Any]) -> str:
         f"{'model':<18}{'mode':>6}{'B':>4}{'ms/token':>10}{'weights MB':>12}{'floor ms':>10}"
         f"{'x floor':>9}{'capture ms':>12}"
     )
-    lines = [f"read bandwidth {summary['read_gb_s']:.1f} GB/s", head, "-" * len(head)]
+    device = summary.get("device", "cpu")
+    lines = [f"{device}: read bandwidth {summary['read_gb_s']:.1f} GB/s", head, "-" * len(head)]
     for r in summary["rows"]:
         capture = r.get("capture_ms")
         lines.append(
@@ -194,10 +204,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num-threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--skip-hf", action="store_true", help="no transformers row")
+    p.add_argument(
+        "--device", default="cpu", help="cpu, or cuda: CUDA graphs against eager (with --skip-hf)"
+    )
     p.add_argument("--output", type=Path, default=DEFAULT_OUTPUT)
     args = p.parse_args(argv)
     if min(args.batch_sizes) < 1 or args.decode_steps < 1 or args.decode_prompt_len < 1:
         p.error("batch sizes, --decode-steps and --decode-prompt-len must be positive")
+    if args.device != "cpu" and not args.skip_hf:
+        p.error("the transformers row runs on CPU only: pass --skip-hf with --device")
     return args
 
 

@@ -275,6 +275,7 @@ def make_decode_engine(spec: ModelSpec, args: argparse.Namespace, batch: int, to
         max_num_seqs=batch,
         num_threads=args.num_threads,
         enforce_eager=spec.enforce_eager,
+        device=getattr(args, "device", "cpu"),
     )
     return llm.engine
 

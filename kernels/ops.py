@@ -125,26 +125,27 @@ def paged_attention(
     k_scale: Scale = 1.0,
     v_scale: Scale = 1.0,
     sliding_window: int | None = None,
+    max_query_len: int | None = None,
+    max_seq_len: int | None = None,
 ) -> torch.Tensor:
     """Attention of a flat varlen batch of queries over paged K/V (see attention_ref): Triton
     on CUDA, the C++ decode kernel on CPU (falls back to the reference itself), else torch.
-    `sliding_window` W: each query sees the last W positions up to itself (None = all)."""
+    `sliding_window` W: each query sees the last W positions up to itself (None = all).
+    `max_query_len` / `max_seq_len`: host-known bounds the Triton launcher sizes its grid by
+    instead of reading the device tensors (None: it reads them)."""
     if query.is_cpu and cpu_paged_attention.usable(query, kv_cache):
         Hk = kv_cache.shape[3]
         return custom_ops.paged_attention(
             query, kv_cache, block_tables, seq_lens, query_start_loc, scale,
             _scale_tensor(k_scale, Hk), _scale_tensor(v_scale, Hk), sliding_window,
         )  # fmt: skip
-    return _pick(query, paged_attention_ref, "paged_attention.paged_attention")(
-        query,
-        kv_cache,
-        block_tables,
-        seq_lens,
-        query_start_loc,
-        scale,
-        k_scale,
-        v_scale,
-        sliding_window=sliding_window,
+    args = (query, kv_cache, block_tables, seq_lens, query_start_loc, scale, k_scale, v_scale)
+    if not use_triton(query):
+        return paged_attention_ref(*args, sliding_window=sliding_window)
+    from qserve.kernels.paged_attention import paged_attention as launch
+
+    return launch(
+        *args, max_query_len=max_query_len, max_seq_len=max_seq_len, sliding_window=sliding_window
     )
 
 

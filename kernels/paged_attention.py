@@ -202,12 +202,16 @@ def paged_attention(
     max_query_len: int | None = None,
     num_kv_splits: int | None = None,
     sliding_window: int | None = None,
+    max_seq_len: int | None = None,
 ) -> torch.Tensor:
     """query [num_tokens, num_heads, head_dim] -> out [num_tokens, num_heads, head_dim].
 
     For an all-decode batch the keys of each sequence are split over `num_kv_splits` programs
     (flash decoding) when sequences x KV heads alone would leave the GPU idle; None picks it.
     `sliding_window` W: each query sees the last W positions up to itself (None = all).
+    `max_query_len` / `max_seq_len`: bounds known on the host (a captured decode step passes 1
+    and max_model_len); None reads them from query_start_loc / seq_lens, a device sync. A
+    larger bound only adds splits or tiles that find no keys or rows.
     """
     sliding_window = check_window(sliding_window)
     if query.dim() != 3 or kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
@@ -246,9 +250,12 @@ def paged_attention(
     block_tables = block_tables.to(torch.int32).contiguous()
     splits, kv_per_split = 1, 0
     if max_query_len == 1:
+        if max_seq_len is None:
+            max_seq_len = int(seq_lens.max())
         splits, kv_per_split = _kv_splits(
-            num_seqs * num_kv_heads, seq_lens, block_n, num_kv_splits, sliding_window
-        )
+            num_seqs * num_kv_heads, max_seq_len, query.device, block_n, num_kv_splits,
+            sliding_window,
+        )  # fmt: skip
     if splits > 1:
         grid = (num_seqs, num_kv_heads, splits)
         part_acc = torch.empty(
@@ -305,20 +312,21 @@ def paged_attention(
 
 def _kv_splits(
     programs: int,
-    seq_lens: torch.Tensor,
+    max_seq_len: int,
+    device: torch.device,
     block_n: int,
     num_kv_splits: int | None,
     sliding_window: int | None = None,
 ) -> tuple[int, int]:
-    """(number of key splits, keys per split as a multiple of block_n) for a decode batch; with
-    a window, of the window's keys (a decode row reads at most W)."""
-    max_seq_len = int(seq_lens.max())
+    """(number of key splits, keys per split as a multiple of block_n) for a decode batch whose
+    longest sequence has at most `max_seq_len` keys; with a window, of the window's keys (a
+    decode row reads at most W)."""
     if sliding_window is not None:
         max_seq_len = min(max_seq_len, sliding_window)
     if num_kv_splits is None:
-        if not seq_lens.is_cuda:
+        if device.type != "cuda":
             return 1, 0
-        sms = torch.cuda.get_device_properties(seq_lens.device).multi_processor_count
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
         # fill about two waves of programs, each split at least 4 key tiles long
         num_kv_splits = min(triton.cdiv(2 * sms, programs), triton.cdiv(max_seq_len, 4 * block_n))
     kv_per_split = triton.cdiv(triton.cdiv(max_seq_len, max(num_kv_splits, 1)), block_n) * block_n

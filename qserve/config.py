@@ -84,7 +84,9 @@ class EngineConfig:
         default_text="the stage count",
     )
     enforce_eager: bool = setting(
-        False, "Run every step eagerly (no captured decode-step graphs; they are CPU-only)."
+        False,
+        "Run every step eagerly (no captured decode-step graphs: step graphs on CPU, CUDA "
+        "graphs on CUDA).",
     )
 
     def __post_init__(self) -> None:

@@ -109,8 +109,8 @@ class ModelRunner:
         ]
         self.sampler = Sampler()
         self.workers: Workers | None = None  # parallel ranks 1.. (set by the engine)
-        self.decode_graphs: DecodeGraphs | None = None  # the compiled decode step (CPU)
-        if decode_graphs is not None and self.device.type == "cpu":
+        self.decode_graphs: DecodeGraphs | None = None  # the compiled decode step
+        if decode_graphs is not None:
             max_blocks = -(-decode_graphs.max_model_len // kv_spec.block_size)
             self.decode_graphs = DecodeGraphs(
                 model, self.kv_caches, decode_graphs.max_num_seqs, max_blocks
@@ -227,6 +227,8 @@ class ModelRunner:
             seq_lens_cpu=seq_lens,
             query_lens_cpu=query_lens,
             prompt_lens_cpu=[s.request.num_prompt_tokens for s in scheduled],
+            max_query_len=max(query_lens),
+            max_seq_len=max(seq_lens),
         )
         return ModelInput(
             input_ids=torch.tensor(token_ids, dtype=torch.int64, device=self.device),

@@ -58,10 +58,11 @@ def _decode_mode(engine: LLMEngine) -> str:
     graphs = engine.model_runner.decode_graphs
     if graphs is not None:
         sizes = ", ".join(map(str, graphs.sizes))
-        return f"compiled (a step graph per batch size {sizes}, captured on first use)"
+        kind = "CUDA graph" if graphs.device.type == "cuda" else "step graph"
+        return f"compiled (a {kind} per batch size {sizes}, captured on first use)"
     if engine.config.enforce_eager:
         return "eager (--enforce-eager)"
     if engine.workers is not None:
         args = engine.workers.args
         return f"eager ({args.kind}-parallel over {args.world} processes)"
-    return f"eager (step graphs are CPU-only; {engine.config.device} runs eager)"
+    return "eager"

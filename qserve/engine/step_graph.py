@@ -59,6 +59,30 @@ class UnavailableList(list):
     __len__ = __iter__ = __getitem__ = __bool__ = __contains__ = _refuse  # type: ignore[assignment]
 
 
+class HostReadGuard(TorchDispatchMode):
+    """Runs ops as they are, raising NotCapturable for what a CUDA graph could not replay: an op
+    that reads values into Python, has a value-dependent shape or draws random numbers, and a
+    copy from the device to the host (a sync, which stream capture forbids)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        kwargs = kwargs or {}
+        if _refused(func):
+            raise NotCapturable(f"the step calls aten.{func.overloadpacket.__name__}")
+        out = func(*args, **kwargs)
+        if _to_host(args, kwargs, out):
+            name = func.overloadpacket.__name__
+            raise NotCapturable(f"the step copies to the host (aten.{name})")
+        return out
+
+
+def _to_host(args: tuple, kwargs: dict, out: Any) -> bool:
+    """Whether an op took a tensor off an accelerator and made a CPU one."""
+    ins = [t for t in tree_flatten((args, kwargs))[0] if _is_tensor(t)]
+    outs = [t for t in tree_flatten(out)[0] if _is_tensor(t)]
+    on_device = any(t.device.type not in ("cpu", "meta") for t in ins)
+    return on_device and any(t.device.type == "cpu" for t in outs)
+
+
 class _Recorder(TorchDispatchMode):
     """Records torch ops that compute (in order, into `steps`) and keeps every tensor made."""
 
@@ -142,6 +166,10 @@ class StepGraph:
     @property
     def num_launches(self) -> int:
         return sum(1 for _, _, is_launch in self.steps if is_launch)
+
+    def summary(self) -> str:
+        ops, held = len(self.steps) - self.num_launches, self.held_bytes / 1e6
+        return f"{self.num_launches} kernel launches, {ops} torch ops, {held:.1f} MB held"
 
     @classmethod
     def capture(cls, step: Callable[[], Any]) -> StepGraph:

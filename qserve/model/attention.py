@@ -28,6 +28,11 @@ class AttentionMetadata:
     query_lens_cpu: list[int]
     # each sequence's prompt length (LongRoPE picks its frequencies by it); [] when unknown
     prompt_lens_cpu: list[int] = field(default_factory=list)
+    # host-known bounds on the longest query and sequence: the GPU kernel sizes its grid by
+    # them without reading the device tensors (a sync, and not allowed in a CUDA graph);
+    # None: it reads them
+    max_query_len: int | None = None
+    max_seq_len: int | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -46,6 +51,8 @@ class AttentionMetadata:
             seq_lens_cpu=self.seq_lens_cpu[start:end],
             query_lens_cpu=self.query_lens_cpu[start:end],
             prompt_lens_cpu=self.prompt_lens_cpu[start:end],
+            max_query_len=max(self.query_lens_cpu[start:end], default=0),
+            max_seq_len=max(self.seq_lens_cpu[start:end], default=0),
         )
 
 
@@ -115,5 +122,7 @@ class Attention(nn.Module):
             self.k_scale,
             self.v_scale,
             sliding_window=self.sliding_window,
+            max_query_len=md.max_query_len,
+            max_seq_len=md.max_seq_len,
         )
         return out.reshape(num_tokens, self.num_heads * self.head_dim)

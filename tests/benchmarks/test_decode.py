@@ -49,3 +49,10 @@ def test_step_bytes_count_tied_embeddings_once() -> None:
         rotary = sum(b.numel() * b.element_size() for b in model.buffers())
         embed = 100 * 16 * 4
         assert decode.step_bytes(model) == total + rotary - (0 if tie else embed)
+
+
+def test_device_needs_skip_hf() -> None:
+    with pytest.raises(SystemExit) as info:
+        decode.parse_args(["--device", "cuda"])
+    assert info.value.code == 2
+    assert decode.parse_args(["--device", "cuda", "--skip-hf"]).device == "cuda"

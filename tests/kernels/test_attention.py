@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from qserve.engine.step_graph import HostReadGuard
 from qserve.kernels.attention_ref import paged_attention_ref, reshape_and_cache_ref
 from qserve.kernels.cache_write import reshape_and_cache
 from qserve.kernels.paged_attention import paged_attention
@@ -107,6 +108,26 @@ def test_paged_attention_split_kv_decode(num_kv_splits, cache_dtype, scales, dev
     out = paged_attention(
         *(dev(t) for t in args), D**-0.5, dev(k_scale), dev(v_scale), num_kv_splits=num_kv_splits
     )
+    torch.testing.assert_close(out.cpu(), ref, rtol=5e-3, atol=5e-3)
+
+
+@pytest.mark.parametrize("num_kv_splits", [None, 4])
+def test_paged_attention_host_bounds_read_no_device_values(num_kv_splits, device) -> None:
+    """A captured decode step passes max_query_len 1 and max_seq_len = max_model_len: the
+    launcher sizes its splits by the bound (most of them then find no keys) without reading
+    seq_lens or query_start_loc (HostReadGuard fails any op that reads values into Python),
+    and the output is the same."""
+    seq_lens, heads, kv_heads, D = [1, 70, 33, 96], 8, 2, 64
+    block_tables, slots, qsl = _batch(seq_lens, [1] * 4, 16, 20, 6)
+    kv_cache = torch.randn(2, 20, 16, kv_heads, D, dtype=torch.float16)
+    query = torch.randn(4, heads, D, dtype=torch.float16)
+    args = (query, kv_cache, block_tables, torch.tensor(seq_lens, dtype=torch.int32), qsl)
+    ref = paged_attention_ref(*args, D**-0.5)
+    dev_args = [t.to(device) for t in args]
+    with HostReadGuard():
+        out = paged_attention(
+            *dev_args, D**-0.5, num_kv_splits=num_kv_splits, max_query_len=1, max_seq_len=2048
+        )
     torch.testing.assert_close(out.cpu(), ref, rtol=5e-3, atol=5e-3)
 
 

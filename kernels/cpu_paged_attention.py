@@ -34,13 +34,13 @@ from qserve.kernels.attention_ref import (
 ENV_VAR = cpu_build.ENV_VAR
 enabled = cpu_build.enabled
 SOURCE = cpu_build.CSRC / "paged_attention_cpu.cpp"
-HEAD_DIMS = (64, 128)
+HEAD_DIMS = (64, 96, 128, 256)
 # dtype codes of the C++ source
 QUERY_DTYPES = cpu_build.DTYPE_CODES
 PAGE_DTYPES = cpu_build.PAGE_DTYPE_CODES
 STATUS = {
     1: "unsupported dtype",
-    2: "head_dim not 64 or 128",
+    2: "head_dim not 64, 96, 128 or 256",
     3: "a seq_len outside its block table",
     4: "a block id outside the cache",
     5: "query_start_loc does not rise from 0 to the number of query rows",
@@ -124,11 +124,11 @@ def head_scales(scale: Scale, num_kv_heads: int) -> torch.Tensor:
     """A per-tensor or per-KV-head scale as a contiguous fp32 [num_kv_heads]."""
     if not isinstance(scale, torch.Tensor):
         return _constant_scale(float(scale), num_kv_heads)
+    if scale.numel() == num_kv_heads:  # first: with one KV head, reading it would be a sync
+        return scale.reshape(num_kv_heads).to("cpu", torch.float32).contiguous()
     if scale.numel() == 1:
         return _constant_scale(float(scale), num_kv_heads)
-    if scale.numel() != num_kv_heads:
-        raise ValueError(f"scale has {scale.numel()} values, expected 1 or {num_kv_heads}")
-    return scale.reshape(num_kv_heads).to("cpu", torch.float32).contiguous()
+    raise ValueError(f"scale has {scale.numel()} values, expected 1 or {num_kv_heads}")
 
 
 def _check(query, kv_cache, block_tables, seq_lens, query_start_loc) -> None:

@@ -134,11 +134,12 @@ inline void page_scores(const float* q, const float* k, int64_t k_stride, int n,
   }
 }
 
-// acc[0:D] += sum_t p[t] * v[t, 0:D], 64 columns at a time held in registers.
+// acc[0:D] += sum_t p[t] * v[t, 0:D], 64 columns (32 where D is not a multiple of 64) at a
+// time held in registers.
 template <int D>
 inline void accumulate_v(float* acc, const float* p, const float* v, int64_t v_stride, int n) {
-  constexpr int kCols = 64;
-  static_assert(D % kCols == 0, "head_dim must be a multiple of 64");
+  constexpr int kCols = D % 64 == 0 ? 64 : 32;
+  static_assert(D % kCols == 0, "head_dim must be a multiple of 32");
   for (int c = 0; c < D; c += kCols) {
     vec8 a[kCols / kLanes];
     for (int j = 0; j < kCols / kLanes; ++j) a[j] = load8(acc + c + j * kLanes);
@@ -274,8 +275,12 @@ void run(const Problem& pb, const std::vector<int>& seqs, int num_threads) {
 
 template <int kDType>
 void run_head_dim(const Problem& pb, const std::vector<int>& seqs, int head_dim, int threads) {
-  if (head_dim == 64) run<kDType, 64>(pb, seqs, threads);
-  else run<kDType, 128>(pb, seqs, threads);
+  switch (head_dim) {
+    case 64: run<kDType, 64>(pb, seqs, threads); break;
+    case 96: run<kDType, 96>(pb, seqs, threads); break;  // Phi-3
+    case 128: run<kDType, 128>(pb, seqs, threads); break;
+    default: run<kDType, 256>(pb, seqs, threads); break;  // Gemma 3
+  }
 }
 
 // The decode sequences, each checked against its block table (no out-of-bounds page reads),
@@ -318,7 +323,7 @@ extern "C" int qserve_paged_attention_decode(
     const float* v_scale, float scale, int sliding_window, int num_threads,
     int32_t* num_chunks) {
   if (q_dtype < kF32 || q_dtype > kF16 || kv_dtype < kF32 || kv_dtype > kE5M2) return kBadDType;
-  if (head_dim != 64 && head_dim != 128) return kBadHeadDim;
+  if (head_dim != 64 && head_dim != 96 && head_dim != 128 && head_dim != 256) return kBadHeadDim;
   const int64_t tok = static_cast<int64_t>(num_kv_heads) * head_dim;
   const Problem pb{static_cast<const char*>(query), static_cast<char*>(out), q_dtype,
                    q_stride_t, q_stride_h, o_stride_t, o_stride_h,

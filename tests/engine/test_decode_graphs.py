@@ -144,3 +144,23 @@ def test_w4_bf16_graphs_equal_eager(tmp_path_factory):
     assert graphed == eager
     if cpu_model_ops.load_library() is not None:
         assert {8, 4, 2}.issubset(llm.engine.model_runner.decode_graphs.graphs)
+
+
+@pytest.mark.parametrize(
+    "name, overrides",
+    [("gemma3", dict(head_dim=256, num_key_value_heads=1)), ("phi3", dict(head_dim=96))],
+    ids=["gemma3-256-one-kv-head", "phi3-96"],
+)
+def test_wide_heads_take_the_cpu_kernel_and_graphs(name, overrides, tmp_path_factory):
+    """Gemma 3's head_dim 256 (with one KV head, as Gemma-3-270M: its page scale is a
+    one-element tensor the step must not read) and Phi-3's 96 decode through the C++ attention
+    kernel, so their decode steps are captured too; greedy tokens equal eager."""
+    folder = _folder(name, tmp_path_factory.getbasetemp(), **overrides)
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 200, (n,), generator=gen).tolist() for n in PROMPT_LENS]
+    _, eager = _greedy(folder, prompts, enforce_eager=True)
+    llm, graphed = _greedy(folder, prompts)
+    assert graphed == eager
+    if cpu_model_ops.load_library() is not None:
+        graphs = llm.engine.model_runner.decode_graphs
+        assert graphs.not_capturable is None and {8, 4, 2}.issubset(graphs.graphs)

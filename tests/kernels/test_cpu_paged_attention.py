@@ -79,7 +79,7 @@ RAGGED = [1, 17, 16, 33, 100, 5, 64, 250]  # 1, exact blocks, partial last block
 
 
 @needs_kernel
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [64, 96, 128, 256])
 @pytest.mark.parametrize("block_size", [16, 32])
 @pytest.mark.parametrize("heads", [(4, 4), (9, 3), (8, 2), (8, 1)])
 def test_decode_fp32_matches_reference(head_dim, block_size, heads) -> None:
@@ -89,7 +89,7 @@ def test_decode_fp32_matches_reference(head_dim, block_size, heads) -> None:
 
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [64, 96, 128, 256])
 def test_decode_half_precision_pages_and_queries(dtype, head_dim) -> None:
     out, ref = run_both(RAGGED, [1] * len(RAGGED), (8, 2), head_dim, 16, dtype)
     assert_out_close(out, ref)
@@ -100,7 +100,8 @@ def test_decode_half_precision_pages_and_queries(dtype, head_dim) -> None:
 @pytest.mark.parametrize("scales", ["tensor", "head"])
 @pytest.mark.parametrize("dtype,head_dim,block_size", [(torch.float32, 64, 16),
                                                        (torch.float32, 128, 32),
-                                                       (torch.bfloat16, 64, 32)])  # fmt: skip
+                                                       (torch.bfloat16, 64, 32),
+                                                       (torch.bfloat16, 256, 16)])  # fmt: skip
 def test_decode_fp8_pages_with_scales(cache_dtype, scales, dtype, head_dim, block_size) -> None:
     out, ref = run_both(
         RAGGED, [1] * len(RAGGED), (9, 3), head_dim, block_size, dtype, cache_dtype, scales
@@ -175,7 +176,7 @@ def test_unsupported_head_dim_and_env_var_take_the_reference(monkeypatch) -> Non
         raise AssertionError("the C++ kernel must not run here")
 
     monkeypatch.setattr(cpa, "paged_attention_decode", boom)
-    out, ref = run_both([10, 3], [1, 1], (4, 2), head_dim=96)
+    out, ref = run_both([10, 3], [1, 1], (4, 2), head_dim=32)
     torch.testing.assert_close(out, ref, rtol=0, atol=0)
     monkeypatch.setenv(cpa.ENV_VAR, "0")
     out, ref = run_both([10, 3], [1, 1], (4, 2), head_dim=64)

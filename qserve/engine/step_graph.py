@@ -5,8 +5,9 @@ and records, in order, every C++ kernel launch (`cpu_build.recording_launches`: 
 and its raw arguments, pointers included) and every torch op that computes something (a
 `TorchDispatchMode`: the op and its tensor arguments). Every tensor the step creates is kept,
 so each recorded pointer stays valid. Replay copies nothing in and walks the list: the launches
-with their recorded arguments, the torch ops again on the same tensors (a functional op's
-result copied into the tensor it returned at capture). A new step's inputs are copied into the
+with their recorded arguments, the torch ops again on the same tensors (a functional op
+through its `out=` overload into the tensor it returned at capture, or, without one, its
+result copied there). A new step's inputs are copied into the
 static inputs first, by the caller (`decode_graphs`).
 
 Python that the replay does not run must not have depended on the step's values. Capture
@@ -107,7 +108,13 @@ class _Recorder(TorchDispatchMode):
         if func._schema.is_mutable:  # in place (or out=): the same call writes the same tensors
             self.steps.append((_call, (func, args, kwargs), False))
         else:
-            self.steps.append((_call_into, (func, args, kwargs, out), False))
+            into = _out_overload(func) if isinstance(out, torch.Tensor) else None
+            if name == "to" and isinstance(out, torch.Tensor):  # a copy (an alias returned above)
+                self.steps.append((_call, (torch.Tensor.copy_, (out, args[0]), {}), False))
+            elif into is not None:  # computed straight into the captured result
+                self.steps.append((_call, (into, args, {**kwargs, "out": out}), False))
+            else:
+                self.steps.append((_call_into, (func, args, kwargs, out), False))
         return out
 
 
@@ -116,6 +123,22 @@ def _refused(func: torch._ops.OpOverload) -> bool:
     """Reads values into Python, has a value-dependent shape, or draws random numbers."""
     random = torch.Tag.nondeterministic_seeded in func.tags
     return random or func.overloadpacket.__name__ in _REFUSED
+
+
+@functools.cache
+def _out_overload(func: torch._ops.OpOverload) -> torch._ops.OpOverload | None:
+    """The op's `out=` overload (same arguments, names and types, plus one `out` tensor), if it
+    has one: a replay then writes its result in place instead of allocating a new tensor and
+    copying it (for a step's logits, megabytes a step, each allocation page-faulted anew)."""
+    want = [(a.name, str(a.type)) for a in func._schema.arguments]
+    packet = func.overloadpacket
+    for name in packet.overloads():
+        schema = getattr(packet, name)._schema
+        outs = [a for a in schema.arguments if a.is_out]
+        ins = [(a.name, str(a.type)) for a in schema.arguments if not a.is_out]
+        if len(outs) == 1 and outs[0].name == "out" and ins == want and len(schema.returns) == 1:
+            return getattr(packet, name)
+    return None
 
 
 def _aliases_input(out: Any, args: tuple) -> bool:

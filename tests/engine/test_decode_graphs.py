@@ -42,6 +42,10 @@ def test_replay_runs_launches_and_torch_ops_on_new_inputs():
     with torch.inference_mode():
         graph = StepGraph.capture(step)
         assert graph.num_launches == 1 and len(graph.steps) == 4
+        # functional ops replay into their captured results: `out=` overloads, `to` as copy_
+        replayed = [args[0] for _, args, is_launch in graph.steps if not is_launch]
+        assert replayed == [torch.ops.aten.mul.out, torch.ops.aten.add_.Tensor,
+                            torch.Tensor.copy_]  # fmt: skip
         assert graph.held_bytes >= 3 * 64 * (4 + 4 + 8)  # x * 2, the norm's output, float64
         for _ in range(2):
             x.copy_(torch.randn(3, 64))

@@ -13,7 +13,7 @@ import torch
 
 from qserve.engine.step_graph import HostReadGuard, NotCapturable
 from tests.engine.test_architectures import PROMPT_LENS
-from tests.engine.test_decode_graphs import _folder, _greedy
+from tests.engine.test_decode_graphs import _folder, _greedy, w4_bf16_greedy
 from tests.tiny_models import MOE_MODELS, TINY_MODELS
 
 CUDA = torch.cuda.is_available()
@@ -97,17 +97,6 @@ def test_cuda_graphs_equal_eager(name, tmp_path_factory):
 def test_w4_bf16_cuda_graphs_equal_eager(tmp_path_factory):
     """A W4 checkpoint with a W4 lm_head in bf16 through the Triton W4 GEMM, graphs against
     eager."""
-    from qserve.quantize.driver import quantize_model
-    from qserve.quantize.settings import QuantizeSettings
-
-    root = tmp_path_factory.getbasetemp()
-    folder = root / "llama-w4-cuda"
-    if not folder.exists():
-        settings = QuantizeSettings(method="rtn", group_size=32, quantize_lm_head=True)
-        quantize_model(_folder("llama", root, vocab_size=320), folder, settings)
-    gen = torch.Generator().manual_seed(2)
-    prompts = [torch.randint(0, 200, (n,), generator=gen).tolist() for n in PROMPT_LENS]
-    _, eager = _greedy(folder, prompts, dtype="bfloat16", enforce_eager=True, device="cuda")
-    llm, graphed = _greedy(folder, prompts, dtype="bfloat16", device="cuda")
+    llm, graphed, eager = w4_bf16_greedy(tmp_path_factory.getbasetemp(), device="cuda")
     assert graphed == eager
     assert {8, 4, 2}.issubset(llm.engine.model_runner.decode_graphs.graphs)

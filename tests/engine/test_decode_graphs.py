@@ -130,21 +130,27 @@ def test_enforce_eager_makes_no_graphs(tmp_path_factory):
     assert llm.engine.model_runner.decode_graphs is None
 
 
-def test_w4_bf16_graphs_equal_eager(tmp_path_factory):
-    """A W4 checkpoint with a W4 lm_head in bf16 (the int8 loop on x86): rows are computed
-    independently, so padded graphs give the eager tokens exactly."""
+def w4_bf16_greedy(root: Path, device: str = "cpu") -> tuple[LLM, list, list]:
+    """A W4 checkpoint of the tiny Llama with a W4 lm_head, in bf16: the engine with graphs,
+    its greedy tokens, and the tokens with `enforce_eager`."""
     from qserve.quantize.driver import quantize_model
     from qserve.quantize.settings import QuantizeSettings
 
-    root = tmp_path_factory.getbasetemp()
     folder = root / "llama-w4"
     if not folder.exists():
         settings = QuantizeSettings(method="rtn", group_size=32, quantize_lm_head=True)
         quantize_model(_folder("llama", root, vocab_size=320), folder, settings)
     gen = torch.Generator().manual_seed(2)
     prompts = [torch.randint(0, 200, (n,), generator=gen).tolist() for n in PROMPT_LENS]
-    _, eager = _greedy(folder, prompts, dtype="bfloat16", enforce_eager=True)
-    llm, graphed = _greedy(folder, prompts, dtype="bfloat16")
+    _, eager = _greedy(folder, prompts, dtype="bfloat16", enforce_eager=True, device=device)
+    llm, graphed = _greedy(folder, prompts, dtype="bfloat16", device=device)
+    return llm, graphed, eager
+
+
+def test_w4_bf16_graphs_equal_eager(tmp_path_factory):
+    """A W4 checkpoint with a W4 lm_head in bf16 (the int8 loop on x86): rows are computed
+    independently, so padded graphs give the eager tokens exactly."""
+    llm, graphed, eager = w4_bf16_greedy(tmp_path_factory.getbasetemp())
     assert graphed == eager
     if cpu_model_ops.load_library() is not None:
         assert {8, 4, 2}.issubset(llm.engine.model_runner.decode_graphs.graphs)

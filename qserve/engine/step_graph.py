@@ -7,8 +7,8 @@ and its raw arguments, pointers included) and every torch op that computes somet
 so each recorded pointer stays valid. Replay copies nothing in and walks the list: the launches
 with their recorded arguments, the torch ops again on the same tensors (a functional op
 through its `out=` overload into the tensor it returned at capture, or, without one, its
-result copied there). A new step's inputs are copied into the
-static inputs first, by the caller (`decode_graphs`).
+result copied there). A new step's inputs are copied into the static inputs first, by the
+caller (`decode_graphs`).
 
 Python that the replay does not run must not have depended on the step's values. Capture
 refuses (raises `NotCapturable`, the caller runs eager) what would bake them in:
@@ -108,14 +108,21 @@ class _Recorder(TorchDispatchMode):
         if func._schema.is_mutable:  # in place (or out=): the same call writes the same tensors
             self.steps.append((_call, (func, args, kwargs), False))
         else:
-            into = _out_overload(func) if isinstance(out, torch.Tensor) else None
-            if name == "to" and isinstance(out, torch.Tensor):  # a copy (an alias returned above)
-                self.steps.append((_call, (torch.Tensor.copy_, (out, args[0]), {}), False))
-            elif into is not None:  # computed straight into the captured result
-                self.steps.append((_call, (into, args, {**kwargs, "out": out}), False))
-            else:
-                self.steps.append((_call_into, (func, args, kwargs, out), False))
+            self.steps.append(_functional_step(func, args, kwargs, out))
         return out
+
+
+def _functional_step(
+    func: torch._ops.OpOverload, args: tuple, kwargs: dict, out: Any
+) -> tuple[Callable[..., Any], tuple, bool]:
+    """How a replay reruns a functional op: into the tensor(s) it returned at capture."""
+    if isinstance(out, torch.Tensor):
+        if func.overloadpacket.__name__ == "to":  # a copy (an alias was returned before this)
+            return (_call, (torch.Tensor.copy_, (out, args[0]), {}), False)
+        into = _out_overload(func)
+        if into is not None:  # computed straight into the captured result
+            return (_call, (into, args, {**kwargs, "out": out}), False)
+    return (_call_into, (func, args, kwargs, out), False)
 
 
 @functools.cache

@@ -2,11 +2,12 @@
 auto` at several budgets, beside uniform schemes and a llama.cpp-style mix, in one run.
 
     python benchmarks/autoquant.py [--model smollm2-135m] [--budgets 0.5,1,2,5,10]
-        [--num-samples 32] [--eval-tokens 4096] [--num-threads 2]
+        [--num-samples 32] [--seq-len 512] [--measure-samples N] [--eval-tokens 4096]
+        [--num-threads 2] [--pareto-only]
         [--output benchmarks/results/autoquant.json] [--chart benchmarks/results/autoquant.png]
 
 Rows, each a GPTQ checkpoint written by `quantize_model` (qserve's GPTQ defaults: GPTAQ, mse,
-`--calib generated`, `--num-samples` x 512 tokens):
+`--calib generated`, `--num-samples` x `--seq-len` tokens):
 
     uniform      W4 at every group size that divides the model's linears, W8 per channel
     llama.cpp    Q4_K_M's rule at our schemes: attention q/k/v (llama.cpp: attn_v) and
@@ -20,8 +21,12 @@ Each row: bits per weight of the quantized linears (every tensor they store: cod
 zeros, g_idx; 16-bit ones at 16), checkpoint MB, perplexity on the held-out text (the State of
 the Union 2010-2020, what `auto` verifies its budget on) and in-domain (Moby-Dick ch. 1-10), each
 the first `--eval-tokens` tokens in 512-token windows, fp32 through the engine, and for `auto`
-the predicted and the measured increase. The measurement pass's time is reported beside one
-GPTQ quantization's (target: at most 3x). Prints a table, writes JSON and a PNG chart.
+the predicted and the measured increase. Each `auto @<row>` is also compared with its row on
+the same windows: the relative perplexity with a 95% interval over windows (a paired
+comparison: both score the same text, so the spread of the text's difficulty cancels).
+`--pareto-only` runs just that comparison at W4 g64's size. The measurement pass's time is
+reported beside one GPTQ quantization's (target: at most 3x). Prints a table, writes JSON and a
+PNG chart.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import argparse
 import dataclasses
 import gc
 import json
+import math
 import sys
 import tempfile
 import time
@@ -56,6 +62,8 @@ class Row:
     size_mb: float
     heldout: float
     in_domain: float
+    heldout_windows: list[float]  # mean NLL per token of each window: for paired comparisons
+    in_domain_windows: list[float]
     quant_seconds: float | None = None
     predicted_increase: float | None = None
     attempts: int | None = None
@@ -97,18 +105,42 @@ def linear_bits(folder: Path, prefix: str = "model.layers.") -> float:
     return 8 * stored / weights
 
 
-def score(folder: Path, ids: dict[str, list[int]], tokens: int) -> dict[str, float]:
+def score(folder: Path, ids: dict[str, list[int]], tokens: int) -> dict[str, list[float]]:
+    """Per text, the mean NLL per token of each 512-token window (the perplexity is the
+    exponential of their mean: every window scores as many tokens)."""
     from qserve.config import EngineConfig
     from qserve.engine.llm_engine import LLMEngine
-    from qserve.eval import perplexity, text_prefix
+    from qserve.eval import text_prefix, window_nlls
 
     engine = LLMEngine(EngineConfig(str(folder), dtype="float32", kv_cache_memory="64MiB"))
     prefix = text_prefix(engine.tokenizer)
     window = min(512, engine.max_model_len - 1)
-    out = {k: perplexity(engine, v, window, tokens, prefix).perplexity for k, v in ids.items()}
+    out = {}
+    for name, text in ids.items():
+        nlls, count = window_nlls(engine, text, window, tokens, prefix)
+        out[name] = [nll / count for nll in nlls]
     del engine
     gc.collect()
     return out
+
+
+def perplexity(windows: list[float]) -> float:
+    return math.exp(sum(windows) / len(windows))
+
+
+def paired(a: list[float], b: list[float]) -> tuple[float, float]:
+    """Perplexity of `a` relative to `b` scored on the same windows (a / b - 1), and the
+    half-width of its 95% interval with the windows as samples (normal approximation)."""
+    diffs = [x - y for x, y in zip(a, b, strict=True)]
+    n = len(diffs)
+    mean = sum(diffs) / n
+    se = math.sqrt(sum((d - mean) ** 2 for d in diffs) / (n - 1) / n) if n > 1 else math.inf
+    return math.expm1(mean), math.expm1(mean + 1.96 * se) - math.expm1(mean)
+
+
+def row_of(name: str, kind: str, bits: float, mb: float, nll: dict[str, list[float]]) -> Row:
+    h, i = nll["heldout"], nll["in_domain"]
+    return Row(name, kind, bits, mb, perplexity(h), perplexity(i), h, i)
 
 
 def texts(model: Path) -> dict[str, list[int]]:
@@ -145,10 +177,8 @@ def _quantized_row(
     start = time.monotonic()
     quantize_model(model, folder, settings)
     seconds = time.monotonic() - start
-    ppl = score(folder, ids, args.eval_tokens)
-    row = Row(
-        name, kind, linear_bits(folder), _mb(folder), ppl["heldout"], ppl["in_domain"], seconds
-    )
+    row = row_of(name, kind, linear_bits(folder), _mb(folder), score(folder, ids, args.eval_tokens))
+    row.quant_seconds = seconds
     recipe = folder / "qserve_recipe.json"
     auto = json.loads(recipe.read_text()).get("auto") if recipe.is_file() else None
     if auto is not None:
@@ -170,50 +200,45 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(args.num_threads)
     model = resolve_model(args.model)
     ids = texts(model)
-    common = dict(num_samples=args.num_samples)
+    common = dict(num_samples=args.num_samples, seq_len=args.seq_len)
     config = json.loads((model / "config.json").read_text())
     hidden, inter = config["hidden_size"], config["intermediate_size"]
     groups = [g for g in (128, 64, 32) if hidden % g == 0 and inter % g == 0]
     rows: list[Row | None] = []
-    base = score(model, ids, args.eval_tokens)
-    rows.append(Row("baseline", "baseline", 16.0, _mb(model), base["heldout"], base["in_domain"]))
+    rows.append(
+        row_of("baseline", "baseline", 16.0, _mb(model), score(model, ids, args.eval_tokens))
+    )
+    base = {"heldout": rows[0].heldout, "in_domain": rows[0].in_domain}
     log(rows[-1], base)
     with tempfile.TemporaryDirectory(prefix="qserve-autoquant-") as tmp:
-        auto = QuantizeSettings(method="auto", max_ppl_increase="1%", **common)
+        measured = dict(measure_samples=args.measure_samples) if args.measure_samples else {}
+        auto = QuantizeSettings(method="auto", max_ppl_increase="1%", **common, **measured)
         # the measurement records its own time (when read back from the cache, that of the
         # run that made it); the auto rows read it from the cache
         measure_seconds = measure(model, auto, auto_cache_dir()).seconds
-        jobs = [
-            (f"W4 g{g}", "uniform", QuantizeSettings(bits=4, group_size=g, **common))
-            for g in groups
-        ]
-        jobs.append(("W8", "uniform", QuantizeSettings(bits=8, group_size=-1, **common)))
-        jobs.append(
-            (
-                "llama.cpp mix",
-                "heuristic",
-                QuantizeSettings(
-                    group_size=64, dynamic=heuristic_rules(config["num_hidden_layers"]), **common
-                ),
-            )
-        )
+        jobs = uniform_and_mix(groups, config["num_hidden_layers"], common)
+        pareto = "W4 g64" if 64 in groups else f"W4 g{groups[0]}"  # the equal-size comparison
+        if args.pareto_only:
+            jobs = [job for job in jobs if job[0] == pareto]
         for name, kind, settings in jobs:
             rows.append(quantized_row(model, name, kind, settings, Path(tmp), args, ids))
             log(rows[-1], base)
-        for target in [r for r in rows if r is not None and r.name in ("W4 g64", "llama.cpp mix")]:
+        for target in [r for r in rows if r is not None and r.name in (pareto, "llama.cpp mix")]:
             bits = target.bits_per_weight
-            settings = QuantizeSettings(method="auto", target_bits=bits, **common)
+            settings = QuantizeSettings(method="auto", target_bits=bits, **common, **measured)
             rows.append(
                 quantized_row(model, f"auto @{target.name}", "auto", settings, Path(tmp), args, ids)
             )
             log(rows[-1], base)
-        for b in args.budgets:
-            settings = QuantizeSettings(method="auto", max_ppl_increase=f"{b}%", **common)
+        for b in [] if args.pareto_only else args.budgets:
+            settings = QuantizeSettings(
+                method="auto", max_ppl_increase=f"{b}%", **common, **measured
+            )
             rows.append(
                 quantized_row(model, f"auto {b:g}%", "auto", settings, Path(tmp), args, ids)
             )
             log(rows[-1], base)
-    w4 = next((r for r in rows if r is not None and r.name == "W4 g64"), None)
+    w4 = next((r for r in rows if r is not None and r.name == pareto), None)
     return {
         "model": args.model,
         "args": run_arguments(args),
@@ -221,6 +246,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "gptq_seconds": w4.quant_seconds if w4 else None,
         "rows": [dataclasses.asdict(r) for r in rows if r is not None],
     }
+
+
+def uniform_and_mix(groups: list[int], num_layers: int, common: dict) -> list[tuple]:
+    """(name, kind, settings) of the uniform rows and the llama.cpp-style mix."""
+    from qserve.quantize.settings import QuantizeSettings
+
+    jobs = [
+        (f"W4 g{g}", "uniform", QuantizeSettings(bits=4, group_size=g, **common)) for g in groups
+    ]
+    jobs.append(("W8", "uniform", QuantizeSettings(bits=8, group_size=-1, **common)))
+    mix = QuantizeSettings(group_size=64, dynamic=heuristic_rules(num_layers), **common)
+    jobs.append(("llama.cpp mix", "heuristic", mix))
+    return jobs
 
 
 def log(row: Row | None, base: dict[str, float]) -> None:
@@ -252,12 +290,32 @@ def format_table(summary: dict[str, Any]) -> str:
             f"{r['heldout']:>10.3f}{100 * (r['heldout'] / base_h - 1):>+8.2f}%{pred:>10}{bud:>8}"
             f"{r['in_domain']:>11.3f}{100 * (r['in_domain'] / base_i - 1):>+8.2f}%{quant:>9}"
         )
-    ratio = summary["measure_seconds"] / summary["gptq_seconds"]
-    lines.append(
-        f"measurement pass {summary['measure_seconds']:.0f} s, one GPTQ quantization (W4 g64) "
-        f"{summary['gptq_seconds']:.0f} s: {ratio:.2f}x"
-    )
+    lines += paired_lines(rows)
+    if summary["gptq_seconds"]:
+        ratio = summary["measure_seconds"] / summary["gptq_seconds"]
+        lines.append(
+            f"measurement pass {summary['measure_seconds']:.0f} s, one GPTQ quantization "
+            f"{summary['gptq_seconds']:.0f} s: {ratio:.2f}x"
+        )
     return "\n".join(lines)
+
+
+def paired_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """Each `auto @<row>` against <row> on the same windows: the relative perplexity and its
+    95% interval, held-out and in-domain."""
+    by_name = {r["name"]: r for r in rows}
+    lines = []
+    for r in rows:
+        other = by_name.get(r["name"].partition("@")[2])
+        if not r["name"].startswith("auto @") or other is None:
+            continue
+        text = [f"{r['name']} against {other['name']}:"]
+        for key, label in [("heldout", "held-out"), ("in_domain", "in-domain")]:
+            diff, half = paired(r[f"{key}_windows"], other[f"{key}_windows"])
+            n = len(r[f"{key}_windows"])
+            text.append(f"{label} {100 * diff:+.2f}% +- {100 * half:.2f}% ({n} windows)")
+        lines.append(" ".join(text))
+    return lines
 
 
 def chart(summary: dict[str, Any], path: Path) -> None:
@@ -296,8 +354,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--budgets", default="0.5,1,2,5,10", help="percent, comma-separated")
     p.add_argument("--num-samples", type=int, default=32, help="GPTQ calibration windows")
+    p.add_argument("--seq-len", type=int, default=512, help="tokens per calibration window")
     p.add_argument("--eval-tokens", type=int, default=4096)
+    p.add_argument(
+        "--measure-samples", type=int, default=None, help="auto's KL windows (default: its own)"
+    )
     p.add_argument("--num-threads", type=int, default=2)
+    p.add_argument(
+        "--pareto-only",
+        action="store_true",
+        help="only the equal-size comparison: baseline, uniform W4 g64 (the coarsest W4 where 64 "
+        "does not divide the linears), auto at its size",
+    )
     p.add_argument("--output", type=Path, default=RESULTS / "autoquant.json")
     p.add_argument("--chart", type=Path, default=RESULTS / "autoquant.png")
     args = p.parse_args(argv)

@@ -104,14 +104,28 @@ def perplexity(
     """Perplexity of `engine`'s model over `token_ids` in non-overlapping windows of `seq_len`
     tokens, each `prefix` + text tokens. Runs `engine.step()` until its windows are done
     (requests already in the engine run along)."""
+    start = time.monotonic()
+    nlls, per_window = window_nlls(engine, token_ids, seq_len, max_tokens, prefix)
+    count = per_window * len(nlls)
+    return EvalResult(math.exp(sum(nlls) / count), count, len(nlls), time.monotonic() - start)
+
+
+def window_nlls(
+    engine: LLMEngine,
+    token_ids: list[int],
+    seq_len: int = 512,
+    max_tokens: int | None = None,
+    prefix: Sequence[int] = (),
+) -> tuple[list[float], int]:
+    """(the summed negative log-likelihood of each window's scored tokens, tokens scored per
+    window) over the windows `perplexity` scores: what a paired comparison of two models on
+    the same windows needs."""
     chunks = windows(token_ids, seq_len - len(prefix), max_tokens)
     _check_fits(engine, seq_len)
-    start = time.monotonic()
     outputs = score_prompts(engine, [[*prefix, *chunk] for chunk in chunks])
     first = max(len(prefix), 1)  # the first scored position
-    nll = -sum(e.logprob for out in outputs for e in out[first:])  # type: ignore[union-attr]
-    count = sum(len(out) - first for out in outputs)
-    return EvalResult(math.exp(nll / count), count, len(chunks), time.monotonic() - start)
+    nlls = [-sum(e.logprob for e in out[first:]) for out in outputs]  # type: ignore[union-attr]
+    return nlls, len(outputs[0]) - first
 
 
 def _check_fits(engine: LLMEngine, seq_len: int) -> None:

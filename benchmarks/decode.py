@@ -205,7 +205,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--skip-hf", action="store_true", help="no transformers row")
     p.add_argument(
-        "--device", default="cpu", help="cpu, or cuda: CUDA graphs against eager (with --skip-hf)"
+        "--device",
+        default="cpu",
+        choices=["cpu", "cuda"],
+        help="cuda: CUDA graphs against eager (with --skip-hf)",
     )
     p.add_argument("--output", type=Path, default=DEFAULT_OUTPUT)
     args = p.parse_args(argv)
@@ -213,6 +216,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("batch sizes, --decode-steps and --decode-prompt-len must be positive")
     if args.device != "cpu" and not args.skip_hf:
         p.error("the transformers row runs on CPU only: pass --skip-hf with --device")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: torch sees no CUDA device on this machine")
     return args
 
 

@@ -55,4 +55,16 @@ def test_device_needs_skip_hf() -> None:
     with pytest.raises(SystemExit) as info:
         decode.parse_args(["--device", "cuda"])
     assert info.value.code == 2
-    assert decode.parse_args(["--device", "cuda", "--skip-hf"]).device == "cuda"
+    if torch.cuda.is_available():
+        assert decode.parse_args(["--device", "cuda", "--skip-hf"]).device == "cuda"
+
+
+@pytest.mark.parametrize("device", ["cuda", "tpu"])
+def test_a_device_this_machine_lacks_is_a_usage_error(device: str, capsys) -> None:
+    if device == "cuda" and torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    with pytest.raises(SystemExit) as info:
+        decode.parse_args(["--device", device, "--skip-hf"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "error: " in err and ("no CUDA device" in err or "invalid choice: 'tpu'" in err)

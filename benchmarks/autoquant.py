@@ -369,7 +369,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--output", type=Path, default=RESULTS / "autoquant.json")
     p.add_argument("--chart", type=Path, default=RESULTS / "autoquant.png")
     args = p.parse_args(argv)
-    args.budgets = [float(b) for b in args.budgets.split(",") if b.strip()]
+    try:
+        args.budgets = [float(b) for b in args.budgets.split(",") if b.strip()]
+    except ValueError:
+        p.error(f"--budgets takes percentages separated by commas, got {args.budgets!r}")
+    counts = [args.num_samples, args.seq_len - 1, args.eval_tokens, args.num_threads]
+    if min(counts) < 1 or (args.measure_samples is not None and args.measure_samples < 1):
+        p.error("--num-samples, --measure-samples, --eval-tokens, --num-threads must be positive "
+                "and --seq-len at least 2")  # fmt: skip
+    if any(b <= 0 for b in args.budgets):
+        p.error("--budgets must be positive percentages")
     return args
 
 

@@ -44,3 +44,15 @@ def test_pareto_only_compares_auto_with_uniform_at_its_size(
     assert len(auto["heldout_windows"]) == len(uniform["heldout_windows"]) == 4
     assert auto["heldout"] == pytest.approx(autoquant.perplexity(auto["heldout_windows"]))
     assert "auto @W4 g32 against W4 g32: held-out" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["--budgets", "1,x"], ["--budgets", "-1"], ["--measure-samples", "0"], ["--seq-len", "1"],
+     ["--eval-tokens", "0"]],
+)  # fmt: skip
+def test_bad_options_are_usage_errors(argv: list[str], capsys) -> None:
+    with pytest.raises(SystemExit) as info:
+        autoquant.parse_args(argv)
+    assert info.value.code == 2
+    assert "error: " in capsys.readouterr().err

@@ -3,7 +3,7 @@ auto` at several budgets, beside uniform schemes and a llama.cpp-style mix, in o
 
     python benchmarks/autoquant.py [--model smollm2-135m] [--budgets 0.5,1,2,5,10]
         [--num-samples 32] [--seq-len 512] [--measure-samples N] [--eval-tokens 4096]
-        [--num-threads 2] [--pareto-only]
+        [--num-threads 2] [--pareto-only] [--no-chart]
         [--output benchmarks/results/autoquant.json] [--chart benchmarks/results/autoquant.png]
 
 Rows, each a GPTQ checkpoint written by `quantize_model` (qserve's GPTQ defaults: GPTAQ, mse,
@@ -368,6 +368,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--output", type=Path, default=RESULTS / "autoquant.json")
     p.add_argument("--chart", type=Path, default=RESULTS / "autoquant.png")
+    p.add_argument("--no-chart", action="store_true", help="no PNG (needs no matplotlib)")
     args = p.parse_args(argv)
     try:
         args.budgets = [float(b) for b in args.budgets.split(",") if b.strip()]
@@ -387,7 +388,8 @@ def main(argv: list[str] | None = None) -> int:
     summary = run(args)
     write_results(args.output, summary)
     print(format_table(summary))
-    chart(summary, args.chart)
+    if not args.no_chart:
+        chart(summary, args.chart)
     return 0
 
 

@@ -149,7 +149,10 @@ class QuantizeSettings:
         "the least predicted error within that size.",
     )  # fmt: skip
     measure_samples: Annotated[int, Range(1)] | None = setting(
-        None, "auto: calibration windows of the measurement pass (cached).", default_text="4"
+        None,
+        "auto: calibration windows the measurement pass takes its KLs on, besides the "
+        "--num-samples windows its Hessians come from (cached).",
+        default_text="4",
     )
     calib: str | Path | None = setting(
         None,

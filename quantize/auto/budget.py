@@ -15,9 +15,11 @@ the final logits on calibration tokens with only unit u quantized at scheme s
 
     log(ppl_q / ppl) = c * sum_u e_u(s_u)
 
-with c = 1 to start (to first order, the cross entropy on text the model predicts well rises by
-the KL) and re-fitted to the measured increase after each verification. A KL budget
-(`--max-kl`) predicts the KL itself as c * sum_u e_u(s_u). `Goal` holds either budget.
+with c fitted to start to one measured mix, every unit at its reference scheme, scored on the
+held-out text (`start_c`; the measurement pass does it), and re-fitted to the measured increase
+after each verification. A KL budget (`--max-kl`) predicts the held-out KL itself as
+c_kl * sum_u e_u(s_u), c_kl fitted the same way. `Goal` holds either budget; the constants of
+both metrics travel together as `C = {"ppl": c, "kl": c_kl}`.
 
 Allocators: a multiple-choice knapsack by dynamic programming over the budget, discretized in
 `bins` steps, each option's budget use rounded up (so the result never exceeds the budget):
@@ -43,6 +45,7 @@ __all__ = [
     "Allocation",
     "Unit",
     "candidate_schemes",
+    "reference_scheme",
     "linear_bytes",
     "min_bytes",
     "min_error",
@@ -51,6 +54,8 @@ __all__ = [
     "Goal",
     "predicted",
     "SAFETY",
+    "C",
+    "start_c",
 ]
 
 DENSE = Scheme(16)
@@ -83,10 +88,21 @@ def linear_bytes(N: int, K: int, scheme: Scheme) -> int:
 
 
 def candidate_schemes(unit: Unit) -> list[Scheme]:
-    """16-bit, W8 per channel and W4 with every group size dividing each linear's K."""
-    schemes = [DENSE, Scheme(8, -1)]
-    schemes += [Scheme(4, g) for g in W4_GROUPS if all(k % g == 0 for _, k in unit.shapes)]
-    return schemes
+    """16-bit, W8 per channel and W4 with every group size dividing each linear's K (W4 per
+    channel where none does). W4 per channel beside the groups was tried on Gemma-3-270M: the
+    allocator at W4 g64's size put one unit of 72 there, and the checkpoint scored no better
+    (README, `--method auto`)."""
+    groups = [Scheme(4, g) for g in W4_GROUPS if all(k % g == 0 for _, k in unit.shapes)]
+    return [DENSE, Scheme(8, -1), *(groups or [Scheme(4, -1)])]
+
+
+def reference_scheme(schemes: Sequence[Scheme]) -> Scheme:
+    """The scheme a unit's KL is measured at: its coarsest W4 groups (W4 per channel when no
+    group size divides it), the middle of the candidates, which the others are carried to."""
+    grouped = [s for s in schemes if s.bits == 4 and s.group_size > 0]
+    if grouped:
+        return max(grouped, key=lambda s: s.group_size)
+    return Scheme(4, -1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,6 +113,16 @@ class Allocation:
 
     def bits_per_weight(self, units: Sequence[Unit]) -> float:
         return 8 * self.bytes / sum(u.weights for u in units)
+
+
+C = dict[str, float]  # the prediction's constants: {"ppl": c, "kl": c_kl}
+
+
+def start_c(heldout: Mapping[str, float], error: float) -> C:
+    """The constants fitted to one measured mix of summed unit error `error` and held-out
+    {"increase", "kl"}; 1 where there is nothing to fit (a mix with no measurable effect)."""
+    scaled = {"ppl": math.log1p(max(heldout["increase"], 0.0)), "kl": max(heldout["kl"], 0.0)}
+    return {k: v / error if error > 0 and v > 0 else 1.0 for k, v in scaled.items()}
 
 
 def predicted_increase(error: float, c: float = 1.0) -> float:
@@ -209,7 +235,8 @@ def _allocation(
 class Goal:
     """A quality budget on held-out text: a perplexity increase (`ppl`, 0.01 = +1%) or a mean
     KL per token (`kl`, nats). The prediction is c * (summed unit KLs): for `ppl` through
-    exp(.) - 1, for `kl` directly; c starts at 1 and is re-fitted to what was measured."""
+    exp(.) - 1, for `kl` directly; c starts fitted to the measurement's held-out reference mix
+    (`start_c`) and is re-fitted to what was measured."""
 
     metric: str
     limit: float
@@ -251,9 +278,6 @@ class Goal:
         return f"+{100 * value:.3g}% perplexity"
 
 
-def predicted(error: float, c: float, goal: Goal | None) -> dict[str, float]:
-    """Predicted perplexity increase and KL of a summed unit error; `c` is fitted to the
-    goal's own metric, so the other one is predicted with c = 1."""
-    c_kl = c if goal is not None and goal.metric == "kl" else 1.0
-    c_ppl = c if goal is None or goal.metric == "ppl" else 1.0
-    return {"increase": predicted_increase(error, c_ppl), "kl": c_kl * error}
+def predicted(error: float, c: C) -> dict[str, float]:
+    """Predicted held-out perplexity increase and KL of a summed unit error."""
+    return {"increase": predicted_increase(error, c["ppl"]), "kl": c["kl"] * error}

@@ -1,14 +1,22 @@
 """The measurement pass of `--method auto`: each unit's error at each candidate scheme, cached
 on disk so that solving for another budget costs nothing.
 
-For each block b, on the float model's inputs X_b of calibration windows:
+Two sets of calibration windows: the quantization's own `num_samples` (the Hessians) and
+`measure_samples` more, not among them (the KLs), so each unit's KL is taken on text its
+quantization did not see, as the held-out scoring does. Measured on the windows its Hessians
+came from (4 x 512 tokens, up to version 1), a unit's error is that of a fit to those very
+tokens: on Gemma-3-270M such KLs were 2.1x (q/k/v, K = 640) to 4.3x (o_proj, K = 1024) below
+the unseen windows' (down_proj, K = 2048: 3.9x), unevenly enough to misdirect the allocation.
 
-    1. the Hessian H of each linear's input (as GPTQ takes it);
+For each block b, on the float model's inputs of both sets:
+
+    1. the Hessian H of each linear's input (as GPTQ takes it, on the `num_samples` windows);
     2. for each unit u and candidate scheme s: W_s = GPTQ(W, H, s) for the unit's linears and the
        proxy error d_u(s) = sum tr((W - W_s) H (W - W_s)^T) (the layer-wise loss GPTQ
        minimizes);
-    3. the KL(p_float || p) of the final logits with only unit u quantized, at its reference
-       scheme r (the coarsest W4 that fits it): block b runs with W_r, the later blocks float;
+    3. the KL(p_float || p) of the final logits on the `measure_samples` windows with only unit
+       u quantized, at its reference scheme r (the coarsest W4 groups that fit it): block b runs
+       with W_r, the later blocks float;
     4. e_u(s) = KL_u(r) * d_u(s) / d_u(r): the measured KL, carried to the other schemes by the
        ratio of their proxy errors (16-bit: 0).
 
@@ -17,6 +25,12 @@ the output's sensitivity to the unit's error is the same at every scheme (quanti
 is close to white). `additivity` records, as a check of the additive prediction
 (`budget.predicted_increase`), the KL measured with every unit at its reference scheme at once
 beside the sum of the units' KLs.
+
+`heldout` is that same mix (every unit at its reference scheme) scored on the held-out text
+the run verifies on (VERIFY_TOKENS of `qserve.data.heldout_text`): its perplexity increase and
+KL against the float model. The calibration windows are not that text, and a KL there is not a
+perplexity increase there; the prediction's constant c starts fitted to this one measured mix
+(`budget.start_c`) instead of at 1.
 """
 
 from __future__ import annotations
@@ -25,6 +39,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import math
 import os
 import time
 from collections.abc import Callable
@@ -36,7 +51,7 @@ from torch import Tensor, nn
 
 from qserve.model.resolve import model_files_stamp
 from qserve.quantize.arch import arch_spec
-from qserve.quantize.auto.budget import DENSE, Unit, candidate_schemes
+from qserve.quantize.auto.budget import DENSE, Unit, candidate_schemes, reference_scheme
 from qserve.quantize.block_context import BlockContext
 from qserve.quantize.calibration import NAMED, calibration_ids, text_prefix
 from qserve.quantize.capture import capture_block_inputs
@@ -45,10 +60,19 @@ from qserve.quantize.gptq import accumulate_hessian, gptq_quantize
 from qserve.quantize.moe import prepare_moe
 from qserve.quantize.settings import QuantizeSettings
 
-__all__ = ["MEASURE_VERSION", "Measurement", "measure", "measurement_key"]
+__all__ = [
+    "MEASURE_VERSION",
+    "Measurement",
+    "VERIFY_TOKENS",
+    "VERIFY_WINDOW",
+    "measure",
+    "measurement_key",
+]
 
 logger = logging.getLogger("qserve")
-MEASURE_VERSION = 1  # bump when what is measured changes: old cache entries are not read
+MEASURE_VERSION = 4  # bump when what is measured changes: old cache entries are not read
+VERIFY_TOKENS = 4096  # held-out tokens scored per verification (and for the reference mix)
+VERIFY_WINDOW = 512  # tokens per window (fewer when the model's context is shorter)
 
 
 @dataclasses.dataclass
@@ -59,6 +83,7 @@ class Measurement:
     tokens: int
     seconds: float
     additivity: dict[str, float]  # {"sum": sum of reference KLs, "measured": all at once}
+    heldout: dict[str, float]  # the reference mix on held-out text: increase, kl, tokens
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -66,6 +91,7 @@ class Measurement:
             "tokens": self.tokens,
             "seconds": self.seconds,
             "additivity": self.additivity,
+            "heldout": self.heldout,
             "units": [
                 {
                     "name": u.name,
@@ -86,7 +112,10 @@ class Measurement:
         ]
         errors = [{Scheme.parse(k): v for k, v in u["errors"].items()} for u in data["units"]]
         kls = [u["reference_kl"] for u in data["units"]]
-        return cls(units, errors, kls, data["tokens"], data["seconds"], data["additivity"])
+        return cls(
+            units, errors, kls, data["tokens"], data["seconds"], data["additivity"],
+            data["heldout"],
+        )  # fmt: skip
 
 
 def measurement_key(model_path: Path, settings: QuantizeSettings) -> str:
@@ -99,7 +128,8 @@ def measurement_key(model_path: Path, settings: QuantizeSettings) -> str:
         path = Path(calib)
         calib = [str(path.resolve()), path.stat().st_size, int(path.stat().st_mtime)]
     what = [
-        MEASURE_VERSION, stats, calib, settings.measure_samples, settings.seq_len, settings.sym,
+        MEASURE_VERSION, stats, calib, settings.measure_samples, settings.num_samples,
+        settings.seq_len, settings.sym,
         settings.damp, settings.act_group_aware, settings.mse, list(settings.ignore),
     ]  # fmt: skip
     from transformers import AutoTokenizer
@@ -144,35 +174,36 @@ def _measure(
     spec = arch_spec(model.config.model_type)
     prepare_moe(model, spec)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
-    ids = calibration_ids(
-        model_path, tokenizer, settings.calib, settings.measure_samples, settings.seq_len
-    )
+    n_fit, n_kl = settings.num_samples, settings.measure_samples
+    ids = calibration_ids(model_path, tokenizer, settings.calib, n_fit + n_kl, settings.seq_len)
     blocks: nn.ModuleList = model.get_submodule(spec.blocks)
     X, kwargs = capture_block_inputs(model, blocks, ids)
-    inputs = [X]  # inputs[b]: the float inputs of block b
+    fit, inputs = X[:n_fit], [X[n_fit:]]  # inputs[b]: the float inputs of block b (KL windows)
     for b, block in enumerate(blocks):
         inputs.append([block(x, **kwargs[b]) for x in inputs[b]])
     tail = _Tail(model, blocks, kwargs, inputs[-1])
     units, errors, kls, swaps = [], [], [], []
     for b, block in enumerate(blocks):
         prefix = f"{spec.blocks}.{b}."
-        ctx = BlockContext(block, prefix, spec.for_block(block), settings, inputs[b], kwargs[b])
+        ctx = BlockContext(block, prefix, spec.for_block(block), settings, fit, kwargs[b])
         for group in ctx.spec.sequential:
             names = [n for n in group if n in ctx.names]
             if not names:
                 continue
             hessians = ctx.collect(names, _hessian_step)
-            unit, errs, kl, swap = _measure_unit(ctx, names, hessians, tail, b)
+            unit, errs, kl, swap = _measure_unit(ctx, names, hessians, tail, b, inputs[b])
             units.append(unit)
             errors.append(errs)
             kls.append(kl)
             swaps.append(swap)
+        fit = [block(x, **kwargs[b]) for x in fit]  # block b + 1's float inputs
         if progress is not None:
             elapsed = time.monotonic() - start
             progress(b + 1, len(blocks), elapsed / (b + 1) * (len(blocks) - b - 1))
     additivity = {"sum": sum(kls), "measured": tail.all_at_once(inputs[0], swaps)}
-    tokens = ids.numel()
-    return Measurement(units, errors, kls, tokens, time.monotonic() - start, additivity)
+    heldout = _heldout_score(model, heldout_windows(tokenizer, model.config), swaps)
+    tokens = ids[n_fit:].numel()
+    return Measurement(units, errors, kls, tokens, time.monotonic() - start, additivity, heldout)
 
 
 def _hessian_step(acc: Any, x: Tensor) -> tuple[Tensor, int]:
@@ -184,8 +215,15 @@ Swap = list[tuple[nn.Linear, Tensor]]  # (linear, the weight it takes at the ref
 
 
 def _measure_unit(
-    ctx: BlockContext, names: list[str], hessians: dict[str, Any], tail: _Tail, b: int
+    ctx: BlockContext,
+    names: list[str],
+    hessians: dict[str, Any],
+    tail: _Tail,
+    b: int,
+    X: list[Tensor],
 ) -> tuple[Unit, dict[Scheme, float], float, Swap]:
+    """The unit of linears `names` of block b: its proxy errors at each scheme (Hessians of
+    the fit windows), its KL at the reference scheme (from X, block b's KL-window inputs)."""
     spec, s = ctx.spec, ctx.s
     linears = [ctx.linear(n) for n in names]
     full = [spec.checkpoint_name(ctx.prefix + n) for n in names]
@@ -205,9 +243,9 @@ def _measure_unit(
             dW = W - Wq
             proxy[scheme] += float(((dW @ H) * dW).sum())
             weights[scheme].append(Wq)
-    ref = max((sc for sc in proxy if sc.bits == 4), key=lambda sc: proxy[sc])
+    ref = reference_scheme(list(proxy))
     swap = list(zip(linears, weights[ref]))
-    kl = tail.kl_with(b, ctx.X, swap)
+    kl = tail.kl_with(b, X, swap)
     errs = {DENSE: 0.0}
     errs.update({sc: kl * proxy[sc] / proxy[ref] if proxy[ref] > 0 else 0.0 for sc in proxy})
     return unit, errs, kl, swap
@@ -260,6 +298,39 @@ def _logprobs(model: nn.Module, hidden: Tensor) -> Tensor:
     if cap:
         logits = torch.tanh(logits / cap) * cap
     return torch.log_softmax(logits, dim=-1)
+
+
+def heldout_windows(tokenizer: Any, config: Any) -> list[list[int]]:
+    """The first VERIFY_TOKENS of the held-out text in windows of VERIFY_WINDOW tokens (fewer
+    where the model's context is shorter), each starting as the tokenizer starts a text."""
+    from qserve.data import heldout_text
+    from qserve.eval import windows
+
+    ids = tokenizer.encode(heldout_text(), add_special_tokens=False)
+    prefix = text_prefix(tokenizer)
+    window = min(VERIFY_WINDOW, config.max_position_embeddings - 1)
+    return [[*prefix, *w] for w in windows(ids, window - len(prefix), VERIFY_TOKENS)]
+
+
+def _heldout_score(model: nn.Module, windows: list[list[int]], swaps: list[Swap]) -> dict:
+    """{"increase": perplexity increase, "kl": mean KL per token, "tokens"} of the model with
+    every swap in place against the float model, over the windows (each position that predicts
+    the next token counts)."""
+    nll_p = nll_q = kl = 0.0
+    count = 0
+    for window in windows:
+        ids = torch.tensor([window])
+        log_p = torch.log_softmax(model(input_ids=ids, use_cache=False).logits[0, :-1].float(), -1)
+        with _swapped([pair for swap in swaps for pair in swap]):
+            logits = model(input_ids=ids, use_cache=False).logits[0, :-1].float()
+        log_q = torch.log_softmax(logits, -1)
+        target = ids[0, 1:, None]
+        nll_p -= float(log_p.gather(1, target).sum())
+        nll_q -= float(log_q.gather(1, target).sum())
+        kl += float((log_p.exp() * (log_p - log_q)).sum())
+        count += target.shape[0]
+        del log_p, log_q, logits
+    return {"increase": math.expm1((nll_q - nll_p) / count), "kl": kl / count, "tokens": count}
 
 
 class _swapped:

@@ -11,9 +11,11 @@
                   text (`qserve.data.heldout_text`, a kind of text no calibration source is),
                   through the engine in fp32; for --max-kl also the KL of their next-token
                   distributions there (`kl.heldout_kl`)
-    5. retry      over budget: c (`Goal.refit`) is re-fitted to what was measured
-                  and the allocation re-solved, only upgrading units; at most MAX_ATTEMPTS
-                  quantizations. A checkpoint is written only once it meets its budget.
+    5. retry      c (`Goal.refit`) is re-fitted to what was measured and the allocation
+                  re-solved: over budget, only upgrading units; within it, for fewer bytes
+                  (a budget met with room to spare is not the smallest checkpoint); at most
+                  MAX_ATTEMPTS quantizations. The smallest checkpoint that met its budget is
+                  written, and none when no attempt met it.
 
 The checkpoint's qserve_recipe.json records the allocation (unit, scheme, bytes, predicted KL),
 the prediction and the measured result.
@@ -34,7 +36,7 @@ from qserve.errors import QServeError
 from qserve.quantize import output_dir as output_rules
 from qserve.quantize.auto import budget
 from qserve.quantize.auto.budget import Allocation, Unit
-from qserve.quantize.auto.measure import Measurement, measure
+from qserve.quantize.auto.measure import VERIFY_TOKENS, VERIFY_WINDOW, Measurement, measure
 from qserve.quantize.dynamic import DynamicRule, Scheme
 from qserve.quantize.settings import QuantizeSettings
 
@@ -49,8 +51,6 @@ __all__ = [
 
 logger = logging.getLogger("qserve")
 MAX_ATTEMPTS = 3
-VERIFY_TOKENS = 4096  # held-out tokens scored per verification
-VERIFY_WINDOW = 512  # tokens per window (fewer when the model's context is shorter)
 
 
 def plan_auto(
@@ -61,7 +61,7 @@ def plan_auto(
 ) -> tuple[Measurement, Allocation]:
     """The measurement (cached) and the first allocation: what --dry-run prints."""
     m = measure(model_path, settings, cache_dir, progress)
-    allocation = allocate(m, settings)
+    allocation = allocate(m, settings, start_c(m))
     _check_quantizes(allocation, budget.Goal.of(settings))
     return m, allocation
 
@@ -83,35 +83,71 @@ def quantize_auto(
     output_rules.check_output_dir(output_dir, overwrite, model_path)
     m, allocation = plan_auto(model_path, settings, cache_dir, progress)
     goal = budget.Goal.of(settings)
-    c, measured = 1.0, {"increase": math.inf}
+    c, measured = start_c(m), {"increase": math.inf}
     scorer = _HeldOut(model_path)
     attempts: list[dict[str, Any]] = []
+    best: _Met | None = None
     with output_rules.staging_dir(output_dir, overwrite, model_path) as stage:
         for attempt in range(1, MAX_ATTEMPTS + 1):
             folder = stage / f".attempt-{attempt}"
             quantize(gptq_settings(settings, m.units, allocation), folder)
             measured = scorer.measure(folder, with_kl=goal is not None and goal.metric == "kl")
-            attempts.append(_attempt_record(allocation, m.units, c, goal, measured))
+            attempts.append(_attempt_record(allocation, m.units, c, measured))
             logger.warning(
-                "auto attempt %d: %s", attempt, _summary(allocation, m.units, c, goal, measured)
+                "auto attempt %d: %s", attempt, _summary(allocation, m.units, c, measured)
             )
             if goal is None or goal.met(measured):
-                record = _record(settings, m, allocation, c, measured, attempts, scorer)
-                _write_record(folder, provenance, record)
-                for entry in folder.iterdir():
-                    entry.rename(stage / entry.name)
-                folder.rmdir()
-                return Path(output_dir)
-            shutil.rmtree(folder)
-            c = goal.refit(measured, allocation.error)
-            allocation = _upgrade(m, goal, c, allocation)
-            _check_quantizes(allocation, goal)
-        assert goal is not None
-        raise QServeError(
-            f"auto: no checkpoint met {goal.describe(goal.limit)} in {MAX_ATTEMPTS} attempts "
-            f"(the last measured {goal.describe(goal.value(measured))}); nothing written",
-            goal.param,
-        )
+                if best is not None:
+                    shutil.rmtree(best.folder)
+                best = _Met(folder, allocation, c, measured)
+            else:
+                shutil.rmtree(folder)
+            if goal is None or attempt == MAX_ATTEMPTS:
+                break
+            c = {**c, goal.metric: goal.refit(measured, allocation.error)}
+            allocation = _next_allocation(m, goal, c[goal.metric], allocation, best)
+            if allocation is None:
+                break
+        if best is None:
+            assert goal is not None
+            raise QServeError(
+                f"auto: no checkpoint met {goal.describe(goal.limit)} in {len(attempts)} "
+                f"attempts (the last measured {goal.describe(goal.value(measured))}); nothing "
+                "written", goal.param,
+            )  # fmt: skip
+        record = _record(settings, m, best.allocation, best.c, best.measured, attempts, scorer)
+        _write_record(best.folder, provenance, record)
+        for entry in best.folder.iterdir():
+            entry.rename(stage / entry.name)
+        best.folder.rmdir()
+        return Path(output_dir)
+
+
+@dataclasses.dataclass
+class _Met:
+    """The smallest attempt so far that met the budget: its folder and what it measured."""
+
+    folder: Path
+    allocation: Allocation
+    c: budget.C
+    measured: Mapping[str, float]
+
+
+def _next_allocation(
+    m: Measurement, goal: budget.Goal, c: float, last: Allocation, best: _Met | None
+) -> Allocation | None:
+    """The next attempt under the re-fitted `c`, or None when none is worth quantizing: after
+    a miss, `last` upgraded (`_upgrade`); after a checkpoint that met the budget, the fewest
+    bytes the re-fitted prediction allows, tried when smaller (a budget met with room to spare
+    is not the smallest checkpoint). Nothing as large as the best met so far is tried."""
+    if best is not None and best.allocation is last:
+        found = budget.min_bytes(m.units, m.errors, goal.max_error(c))
+    else:
+        found = _upgrade(m, goal, c, last)
+    if found is None or (best is not None and found.bytes >= best.allocation.bytes):
+        return None
+    _check_quantizes(found, goal)
+    return found
 
 
 def _check_quantizes(allocation: Allocation, goal: budget.Goal | None) -> None:
@@ -124,8 +160,13 @@ def _check_quantizes(allocation: Allocation, goal: budget.Goal | None) -> None:
         )  # fmt: skip
 
 
-def allocate(m: Measurement, settings: QuantizeSettings, c: float = 1.0) -> Allocation:
-    """The allocation `settings`' budget asks for, under prediction constant `c`."""
+def start_c(m: Measurement) -> budget.C:
+    """The prediction's constants fitted to the measurement's held-out reference mix."""
+    return budget.start_c(m.heldout, m.additivity["sum"])
+
+
+def allocate(m: Measurement, settings: QuantizeSettings, c: budget.C) -> Allocation:
+    """The allocation `settings`' budget asks for, under the prediction's constants `c`."""
     if settings.target_bits is not None:
         max_bytes = int(settings.target_bits / 8 * sum(u.weights for u in m.units))
         found = budget.min_error(m.units, m.errors, max_bytes)
@@ -137,7 +178,7 @@ def allocate(m: Measurement, settings: QuantizeSettings, c: float = 1.0) -> Allo
         return found
     goal = budget.Goal.of(settings)
     assert goal is not None
-    found = budget.min_bytes(m.units, m.errors, goal.max_error(c))
+    found = budget.min_bytes(m.units, m.errors, goal.max_error(c[goal.metric]))
     assert found is not None  # all 16-bit has error 0: always within budget
     return found
 
@@ -252,26 +293,25 @@ def _heldout_kl(model_path: Path, folder: Path) -> float:
 # ------------------------------------------------------------------------------ reporting
 
 
-def format_allocation(m: Measurement, allocation: Allocation, c: float = 1.0) -> str:
+def format_allocation(m: Measurement, allocation: Allocation) -> str:
     """The --dry-run table: one line per unit, then the totals and the prediction."""
     width = max(len(u.name) for u in m.units)
     lines = [f"{'unit':<{width}}  {'scheme':>6}  {'bytes':>10}  {'predicted KL':>12}"]
     for unit, errors in zip(m.units, m.errors):
         s = allocation.schemes[unit.name]
         lines.append(f"{unit.name:<{width}}  {s.name:>6}  {unit.bytes(s):>10}  {errors[s]:>12.3e}")
-    lines.append(_summary(allocation, m.units, c, None))  # c = 1 predicts both metrics
+    lines.append(_summary(allocation, m.units, start_c(m)))
     return "\n".join(lines)
 
 
 def _summary(
     allocation: Allocation,
     units: list[Unit],
-    c: float,
-    goal: budget.Goal | None,
+    c: budget.C,
     measured: Mapping[str, float] | None = None,
 ) -> str:
     bpw = allocation.bits_per_weight(units)
-    predicted = budget.predicted(allocation.error, c, goal)
+    predicted = budget.predicted(allocation.error, c)
     text = f"{allocation.bytes / 2**20:.2f} MiB of linears ({bpw:.3f} bits/weight), "
     text += f"predicted perplexity {100 * predicted['increase']:+.3f}%, KL {predicted['kl']:.4g}"
     if measured is None:
@@ -283,11 +323,10 @@ def _summary(
 def _attempt_record(
     allocation: Allocation,
     units: list[Unit],
-    c: float,
-    goal: budget.Goal | None,
+    c: budget.C,
     measured: Mapping[str, float],
 ) -> dict[str, Any]:
-    predicted = budget.predicted(allocation.error, c, goal)
+    predicted = budget.predicted(allocation.error, c)
     return {
         "bytes": allocation.bytes,
         "bits_per_weight": allocation.bits_per_weight(units),
@@ -303,7 +342,7 @@ def _record(
     settings: QuantizeSettings,
     m: Measurement,
     allocation: Allocation,
-    c: float,
+    c: budget.C,
     measured: Mapping[str, float],
     attempts: list[dict[str, Any]],
     scorer: _HeldOut,
@@ -322,10 +361,15 @@ def _record(
             "base_perplexity": scorer.base,
             **measured,
         },
-        "predicted_increase": budget.predicted(allocation.error, c, goal)["increase"],
-        "predicted_kl": budget.predicted(allocation.error, c, goal)["kl"],
+        "predicted_increase": budget.predicted(allocation.error, c)["increase"],
+        "predicted_kl": budget.predicted(allocation.error, c)["kl"],
         "attempts": attempts,
-        "measurement": {"tokens": m.tokens, "seconds": m.seconds, "additivity": m.additivity},
+        "measurement": {
+            "tokens": m.tokens,
+            "seconds": m.seconds,
+            "additivity": m.additivity,
+            "heldout_reference": m.heldout,
+        },
         "allocation": [
             {
                 "unit": u.name,

@@ -15,7 +15,8 @@ from click.testing import CliRunner
 from qserve.cli import cli
 from qserve.errors import QServeError
 from qserve.quantize.auto import budget, run
-from qserve.quantize.auto.budget import Unit, candidate_schemes, linear_bytes
+from qserve.quantize.auto import measure as measure_module
+from qserve.quantize.auto.budget import Unit, candidate_schemes, linear_bytes, reference_scheme
 from qserve.quantize.auto.measure import measure
 from qserve.quantize.dynamic import Scheme
 from qserve.quantize.export import gptq_tensors
@@ -23,7 +24,9 @@ from qserve.quantize.rtn import rtn_quantize
 from qserve.quantize.settings import QuantizeSettings
 
 
-@pytest.mark.parametrize("scheme", [Scheme(4, 32), Scheme(4, 128), Scheme(8, -1)], ids=str)
+@pytest.mark.parametrize(
+    "scheme", [Scheme(4, 32), Scheme(4, 128), Scheme(4, -1), Scheme(8, -1)], ids=str
+)
 def test_linear_bytes_are_the_gptq_tensors_bytes(scheme: Scheme) -> None:
     W = torch.randn(192, 256)
     tensors = gptq_tensors(rtn_quantize(W, scheme.bits, scheme.group_size, True, 1))
@@ -35,6 +38,10 @@ def test_linear_bytes_are_the_gptq_tensors_bytes(scheme: Scheme) -> None:
 def test_candidates_are_the_group_sizes_dividing_every_k() -> None:
     unit = Unit("u", ("a", "b"), ((64, 576), (64, 1536)))  # 576 = 4.5 * 128
     assert [s.name for s in candidate_schemes(unit)] == ["bf16", "w8ch", "w4g64", "w4g32"]
+    assert reference_scheme(candidate_schemes(unit)) == Scheme(4, 64)
+    odd = Unit("u", ("a",), ((64, 200),))  # no group size divides 200
+    assert [s.name for s in candidate_schemes(odd)] == ["bf16", "w8ch", "w4ch"]
+    assert reference_scheme(candidate_schemes(odd)) == Scheme(4, -1)
 
 
 def _instance(seed: int) -> tuple[list[Unit], list[dict[Scheme, float]]]:
@@ -88,6 +95,13 @@ def test_floor_only_upgrades() -> None:
     assert found is not None and set(found.schemes.values()) == {Scheme(8, -1)}
 
 
+def test_start_c_predicts_the_measured_mix() -> None:
+    c = budget.start_c({"increase": 0.12, "kl": 0.05}, error=0.3)
+    predicted = budget.predicted(0.3, c)
+    assert predicted["increase"] == pytest.approx(0.12) and predicted["kl"] == pytest.approx(0.05)
+    assert budget.start_c({"increase": 0.0, "kl": 0.0}, error=0.3) == {"ppl": 1.0, "kl": 1.0}
+
+
 # ---------------------------------------------------------------------------- the whole run
 
 SETTINGS = dict(method="auto", measure_samples=2, num_samples=4, seq_len=64)
@@ -105,12 +119,56 @@ def test_measurement_is_cached_and_predicts_each_unit(tiny_llama: Path, tmp_path
     for errors, kl in zip(first.errors, first.reference_kl):
         assert errors[Scheme(16)] == 0 and kl > 0
         w4 = [e for s, e in errors.items() if s.bits == 4]
-        assert errors[Scheme(8, -1)] < min(w4) and max(w4) == kl  # measured at the coarsest
+        assert errors[Scheme(8, -1)] < min(w4)
+        assert errors[reference_scheme(list(errors))] == kl  # measured at the coarsest groups
     # additive to within 20% on this model: every unit at once against the sum
     assert first.additivity["measured"] == pytest.approx(first.additivity["sum"], rel=0.2)
+    assert first.tokens == 2 * 64  # the KL windows: measure_samples, besides the 4 fit windows
+    assert first.heldout["tokens"] > 0 and first.heldout["kl"] > 0
     (cached,) = tmp_path.glob("*.json")
     again = measure(tiny_llama, settings, tmp_path)
     assert again.to_json() == first.to_json() == json.loads(cached.read_text())
+
+
+def test_measurement_fits_and_scores_on_different_windows(
+    tiny_llama: Path, tmp_path: Path, monkeypatch
+) -> None:
+    """The Hessians come from the quantization's num_samples windows, the KLs from
+    measure_samples more: calibration ids are asked for both, and the KLs see only the last."""
+    asked: list[torch.Tensor] = []
+    real = measure_module.calibration_ids
+
+    def spy(*args):
+        asked.append(real(*args))
+        return asked[-1]
+
+    monkeypatch.setattr(measure_module, "calibration_ids", spy)
+    seen: list[list[torch.Tensor]] = []
+    real_kl = measure_module._Tail.kl_with
+
+    def kl_with(self, b, X, swap):
+        seen.append(X)
+        return real_kl(self, b, X, swap)
+
+    monkeypatch.setattr(measure_module._Tail, "kl_with", kl_with)
+    measure(tiny_llama, QuantizeSettings(max_ppl_increase="1%", **SETTINGS), None)
+    assert len(asked) == 1 and asked[0].shape == (4 + 2, 64)
+    assert all(len(X) == 2 for X in seen)
+
+
+def test_heldout_score_of_the_float_model_is_zero(tiny_llama: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama)
+    windows = measure_module.heldout_windows(tokenizer, model.config)[:2]
+    with torch.no_grad():
+        none = measure_module._heldout_score(model, windows, [])
+        proj = model.model.layers[0].mlp.down_proj
+        noisy = [[(proj, proj.weight.data + 0.05 * torch.randn_like(proj.weight))]]
+        score = measure_module._heldout_score(model, windows, noisy)
+    assert none["increase"] == 0 and none["kl"] == 0 and none["tokens"] == score["tokens"]
+    assert score["kl"] > 0 and score["tokens"] == sum(len(w) - 1 for w in windows)
 
 
 def auto_args(model: Path, budget: list[str]) -> list[str]:
@@ -167,7 +225,7 @@ def test_auto_writes_nothing_when_no_attempt_meets_the_budget(
 ) -> None:
     monkeypatch.setenv("QSERVE_CACHE_DIR", str(tmp_path / "cache"))  # not the user's cache
     monkeypatch.setattr(run, "MAX_ATTEMPTS", 2)
-    monkeypatch.setattr(run._HeldOut, "increase", lambda self, folder: 0.5)  # always +50%
+    monkeypatch.setattr(run._HeldOut, "increase", lambda self, folder: 0.012)  # always +1.2%
     settings = QuantizeSettings(max_ppl_increase="1%", **SETTINGS)
     from qserve.quantize.driver import quantize_model
 
@@ -175,6 +233,24 @@ def test_auto_writes_nothing_when_no_attempt_meets_the_budget(
     with pytest.raises(QServeError, match=r"no checkpoint met \+1% perplexity in 2 attempts"):
         quantize_model(tiny_llama, out, settings)
     assert not out.exists() and not list(tmp_path.glob(".never*"))
+
+
+@pytest.mark.parametrize("second, written", [(0.0004, 2), (0.002, 1)])
+def test_auto_met_with_room_to_spare_tries_smaller(
+    tiny_llama: Path, tmp_path: Path, monkeypatch, second: float, written: int
+) -> None:
+    """+0.01% against a 0.05% budget: a second, smaller attempt under the re-fitted prediction;
+    written is the smaller one when it meets the budget too, else the first."""
+    measured = iter([0.0001, second, 0.002])  # a third attempt, if any, misses
+    monkeypatch.setattr(run._HeldOut, "increase", lambda self, folder: next(measured))
+    out = tmp_path / "shrunk"
+    record = run_auto(tiny_llama, out, ["--max-ppl-increase", "0.05%"], monkeypatch)
+    first, smaller = record["attempts"][:2]
+    assert smaller["bytes"] < first["bytes"] and smaller["measured_increase"] == second
+    kept = record["attempts"][written - 1]
+    assert record["met"] and record["measured"]["increase"] == kept["measured_increase"]
+    assert sum(a["bytes"] for a in record["allocation"]) == kept["bytes"]
+    assert not [p for p in out.iterdir() if p.name.startswith(".attempt")]
 
 
 @pytest.mark.parametrize(

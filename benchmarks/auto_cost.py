@@ -4,9 +4,10 @@ most 3x one GPTQ quantization), in one process.
     python benchmarks/auto_cost.py [--model smollm2-135m] [--num-samples 128 32] [--seq-len 512]
         [--num-threads 2] [--output benchmarks/results/auto_cost.json]
 
-Times, one after the other: the measurement pass from a cold cache (qserve's defaults: 4
-windows of --seq-len tokens, `generated` calibration), then one GPTQ quantization per
---num-samples (128: qserve's default; 32: what `benchmarks/autoquant.py` uses). The generated
+Times, one after the other: the measurement pass from a cold cache (qserve's defaults:
+Hessians on 128 windows of --seq-len tokens, KLs on 4 more, `generated` calibration), then one
+GPTQ quantization per --num-samples (128: qserve's default; 32: what `benchmarks/autoquant.py`
+uses). The generated
 calibration text is sampled by whichever run first needs a given count (cached after), so each
 time includes its own sampling unless an earlier run on this machine cached it. Prints a table
 and writes JSON.

@@ -65,6 +65,8 @@ __all__ = [
     "Measurement",
     "VERIFY_TOKENS",
     "VERIFY_WINDOW",
+    "heldout_tokens",
+    "heldout_windows",
     "measure",
     "measurement_key",
 ]
@@ -300,15 +302,21 @@ def _logprobs(model: nn.Module, hidden: Tensor) -> Tensor:
     return torch.log_softmax(logits, dim=-1)
 
 
-def heldout_windows(tokenizer: Any, config: Any) -> list[list[int]]:
-    """The first VERIFY_TOKENS of the held-out text in windows of VERIFY_WINDOW tokens (fewer
-    where the model's context is shorter), each starting as the tokenizer starts a text."""
+def heldout_tokens(tokenizer: Any, max_len: int) -> tuple[list[int], list[int], int]:
+    """(held-out token ids, the tokens a text starts with, window): what the verification
+    scores, in windows of VERIFY_WINDOW tokens (fewer where the model's context is shorter)."""
     from qserve.data import heldout_text
-    from qserve.eval import windows
 
     ids = tokenizer.encode(heldout_text(), add_special_tokens=False)
-    prefix = text_prefix(tokenizer)
-    window = min(VERIFY_WINDOW, config.max_position_embeddings - 1)
+    return ids, text_prefix(tokenizer), min(VERIFY_WINDOW, max_len - 1)
+
+
+def heldout_windows(tokenizer: Any, config: Any) -> list[list[int]]:
+    """The first VERIFY_TOKENS of the held-out text in its windows, each starting as the
+    tokenizer starts a text."""
+    from qserve.eval import windows
+
+    ids, prefix, window = heldout_tokens(tokenizer, config.max_position_embeddings)
     return [[*prefix, *w] for w in windows(ids, window - len(prefix), VERIFY_TOKENS)]
 
 

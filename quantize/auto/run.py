@@ -36,7 +36,7 @@ from qserve.errors import QServeError
 from qserve.quantize import output_dir as output_rules
 from qserve.quantize.auto import budget
 from qserve.quantize.auto.budget import Allocation, Unit
-from qserve.quantize.auto.measure import VERIFY_TOKENS, VERIFY_WINDOW, Measurement, measure
+from qserve.quantize.auto.measure import VERIFY_TOKENS, Measurement, heldout_tokens, measure
 from qserve.quantize.dynamic import DynamicRule, Scheme
 from qserve.quantize.settings import QuantizeSettings
 
@@ -254,15 +254,11 @@ class _HeldOut:
 
 def _heldout_ids(folder: Path) -> tuple[list[int], list[int], int]:
     """(held-out token ids, the tokens a text starts with, window) for the model at `folder`."""
-    from qserve.data import heldout_text
     from qserve.model.config import ModelConfig
     from qserve.model.loader import load_tokenizer
-    from qserve.quantize.calibration import text_prefix
 
-    tokenizer = load_tokenizer(folder)
-    ids = tokenizer.encode(heldout_text(), add_special_tokens=False)
     max_len = ModelConfig.from_pretrained(folder).max_position_embeddings
-    return ids, text_prefix(tokenizer), min(VERIFY_WINDOW, max_len - 1)
+    return heldout_tokens(load_tokenizer(folder), max_len)
 
 
 def _heldout_perplexity(folder: Path) -> tuple[float, int]:

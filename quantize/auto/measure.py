@@ -11,7 +11,8 @@ the unseen windows' (down_proj, K = 2048: 3.9x), unevenly enough to misdirect th
 For each block b, on the float model's inputs of both sets:
 
     1. the Hessian H of each linear's input (as GPTQ takes it, on the `num_samples` windows);
-    2. for each unit u and candidate scheme s: W_s = GPTQ(W, H, s) for the unit's linears and the
+    2. for each unit u and candidate scheme s: W_s = GPTQ(W, H, s) for the unit's linears (with
+       the quantization's options: groups' ranges by MSE search unless --no-mse) and the
        proxy error d_u(s) = sum tr((W - W_s) H (W - W_s)^T) (the layer-wise loss GPTQ
        minimizes);
     3. the KL(p_float || p) of the final logits on the `measure_samples` windows with only unit
@@ -72,7 +73,7 @@ __all__ = [
 ]
 
 logger = logging.getLogger("qserve")
-MEASURE_VERSION = 4  # bump when what is measured changes: old cache entries are not read
+MEASURE_VERSION = 5  # bump when what is measured changes: old cache entries are not read
 VERIFY_TOKENS = 4096  # held-out tokens scored per verification (and for the reference mix)
 VERIFY_WINDOW = 512  # tokens per window (fewer when the model's context is shorter)
 
@@ -240,7 +241,8 @@ def _measure_unit(
             H = hessians[n][0]
             W = m.weight.data.float()
             qw = gptq_quantize(W, H, scheme.bits, scheme.group_size, s.sym, s.damp,
-                               min_zero=s.min_zero, act_group_aware=s.act_group_aware)  # fmt: skip
+                               min_zero=s.min_zero, mse=bool(s.mse),
+                               act_group_aware=s.act_group_aware)  # fmt: skip
             Wq = qw.dequantize().to(W.dtype)
             dW = W - Wq
             proxy[scheme] += float(((dW @ H) * dW).sum())

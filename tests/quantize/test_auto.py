@@ -156,6 +156,25 @@ def test_measurement_fits_and_scores_on_different_windows(
     assert all(len(X) == 2 for X in seen)
 
 
+@pytest.mark.parametrize("mse", [True, False])
+def test_measurement_quantizes_with_the_runs_gptq_options(
+    tiny_llama: Path, monkeypatch, mse: bool
+) -> None:
+    """Each scheme's weights are GPTQ's as the run will make them: the groups' ranges by MSE
+    search unless --no-mse (the default is on for auto as for gptq)."""
+    asked: list[bool] = []
+    real = measure_module.gptq_quantize
+
+    def spy(*args, **kwargs):
+        asked.append(kwargs["mse"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(measure_module, "gptq_quantize", spy)
+    extra = {} if mse else {"mse": False}
+    measure(tiny_llama, QuantizeSettings(max_ppl_increase="1%", **SETTINGS, **extra), None)
+    assert asked and set(asked) == {mse}
+
+
 def test_heldout_score_of_the_float_model_is_zero(tiny_llama: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -85,6 +85,9 @@ def compute_qparams(W: Tensor, bits: int, sym: bool, min_zero: int = 0) -> tuple
     return scale, zero
 
 
+SEARCH_ELEMENTS = 1 << 22  # weights x factors per step of search_qparams (16 MiB of fp32)
+
+
 def search_qparams(
     W: Tensor,
     bits: int,
@@ -96,20 +99,27 @@ def search_qparams(
 ) -> tuple[Tensor, Tensor]:
     """compute_qparams with the range of each row shrunk to the factor p in
     {1, 1 - 1/grid, ..., 1 - max_shrink} that minimises sum |q(w) - w|^norm (the MSE grid search
-    of GPTQ's reference quantizer): clipping a few large weights buys a finer grid for the rest."""
+    of GPTQ's reference quantizer): clipping a few large weights buys a finer grid for the rest.
+    The factors are tried SEARCH_ELEMENTS at a time, the first best kept (as a loop over p
+    with a strict improvement would)."""
     W = W.float()
     best_scale, best_zero = compute_qparams(W, bits, sym, min_zero)
     best = torch.full((W.shape[0],), float("inf"), device=W.device)
     lo, hi = W.min(dim=1).values.clamp(max=0), W.max(dim=1).values.clamp(min=0)
-    for i in range(int(max_shrink * grid)):
-        p = 1 - i / grid
-        scale, zero = compute_qparams(torch.stack([p * lo, p * hi], dim=1), bits, sym, min_zero)
-        err = scale[:, None] * (quantize_codes(W, scale, zero, bits) - zero[:, None]) - W
-        err = err.abs().pow(norm).sum(dim=1)
+    shrink = [1 - i / grid for i in range(int(max_shrink * grid))]
+    chunk = max(1, SEARCH_ELEMENTS // max(W.numel(), 1))
+    rows = torch.arange(W.shape[0], device=W.device)
+    for start in range(0, len(shrink), chunk):
+        p = torch.tensor(shrink[start : start + chunk], device=W.device)[:, None]  # [P, 1] fp32
+        scale, zero = compute_qparams(torch.stack([p * lo, p * hi], dim=2).flatten(0, 1), bits,
+                                      sym, min_zero)  # fmt: skip
+        scale, zero = scale.view(len(p), -1, 1), zero.view(len(p), -1, 1)
+        codes = torch.clamp(torch.round(W / scale) + zero, 0, 2**bits - 1)
+        err, i = (scale * (codes - zero) - W).abs().pow(norm).sum(dim=2).min(dim=0)
         better = err < best
         best = torch.where(better, err, best)
-        best_scale = torch.where(better, scale, best_scale)
-        best_zero = torch.where(better, zero, best_zero)
+        best_scale = torch.where(better, scale[i, rows, 0], best_scale)
+        best_zero = torch.where(better, zero[i, rows, 0], best_zero)
     return best_scale, best_zero
 
 

@@ -1,7 +1,8 @@
 import pytest
 import torch
 
-from qserve.quantize.rtn import compute_qparams, rtn_quantize
+from qserve.quantize import rtn
+from qserve.quantize.rtn import compute_qparams, quantize_codes, rtn_quantize
 
 
 @pytest.mark.parametrize("group_size", [32, 64, 128, -1])
@@ -54,3 +55,34 @@ def test_ragged_last_group() -> None:
     assert qw.scales.shape == (3, 8)
     assert qw.g_idx[-1] == 2
     assert (qw.dequantize() - W).abs().max() < qw.scales.max()
+
+
+def _search_one_factor_at_a_time(W, bits, sym, min_zero, grid=100, max_shrink=0.8, norm=2.4):
+    """The MSE range search as GPTQ's reference quantizer writes it: a loop over the factors."""
+    best_scale, best_zero = compute_qparams(W, bits, sym, min_zero)
+    best = torch.full((W.shape[0],), float("inf"))
+    lo, hi = W.min(dim=1).values.clamp(max=0), W.max(dim=1).values.clamp(min=0)
+    for i in range(int(max_shrink * grid)):
+        p = 1 - i / grid
+        scale, zero = compute_qparams(torch.stack([p * lo, p * hi], dim=1), bits, sym, min_zero)
+        err = scale[:, None] * (quantize_codes(W, scale, zero, bits) - zero[:, None]) - W
+        err = err.abs().pow(norm).sum(dim=1)
+        better = err < best
+        best = torch.where(better, err, best)
+        best_scale = torch.where(better, scale, best_scale)
+        best_zero = torch.where(better, zero, best_zero)
+    return best_scale, best_zero
+
+
+@pytest.mark.parametrize("bits,sym,min_zero", [(4, True, 0), (4, False, 1), (8, True, 0)])
+@pytest.mark.parametrize("elements", [1 << 22, 5000])  # all factors at once; a few at a time
+def test_search_qparams_is_the_loop_over_factors(bits, sym, min_zero, elements, monkeypatch):
+    monkeypatch.setattr(rtn, "SEARCH_ELEMENTS", elements)
+    torch.manual_seed(bits + min_zero)
+    W = torch.randn(96, 64) * (torch.rand(96, 1) + 0.1)
+    W[:, :3] *= 8  # outliers: clipping them pays
+    W[5] = 0  # a row of zeros
+    want = _search_one_factor_at_a_time(W, bits, sym, min_zero)
+    got = rtn.search_qparams(W, bits, sym, min_zero)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert not torch.equal(got[0], compute_qparams(W, bits, sym, min_zero)[0])  # it searched

@@ -157,22 +157,30 @@ def test_measurement_fits_and_scores_on_different_windows(
 
 
 @pytest.mark.parametrize("mse", [True, False])
-def test_measurement_quantizes_with_the_runs_gptq_options(
+def test_measurement_quantizes_its_reference_with_the_runs_gptq_options(
     tiny_llama: Path, monkeypatch, mse: bool
 ) -> None:
-    """Each scheme's weights are GPTQ's as the run will make them: the groups' ranges by MSE
-    search unless --no-mse (the default is on for auto as for gptq)."""
-    asked: list[bool] = []
+    """The weights a unit's KL and the reference mix are measured with are GPTQ's as the run
+    makes them: the groups' ranges by MSE search unless --no-mse (on by default for auto). The
+    proxy errors of every scheme skip the search (one call per linear and scheme)."""
+    asked: list[tuple[int, bool]] = []
     real = measure_module.gptq_quantize
 
-    def spy(*args, **kwargs):
-        asked.append(kwargs["mse"])
-        return real(*args, **kwargs)
+    def spy(W, *args, **kwargs):
+        asked.append((args[2], kwargs["mse"]))  # (group size, mse)
+        return real(W, *args, **kwargs)
 
     monkeypatch.setattr(measure_module, "gptq_quantize", spy)
     extra = {} if mse else {"mse": False}
-    measure(tiny_llama, QuantizeSettings(max_ppl_increase="1%", **SETTINGS, **extra), None)
-    assert asked and set(asked) == {mse}
+    settings = QuantizeSettings(max_ppl_increase="1%", **SETTINGS, **extra)
+    m = measure(tiny_llama, settings, None)
+    linears = sum(len(u.linears) for u in m.units)
+    searched = [g for g, used in asked if used]
+    assert len(searched) == (linears if mse else 0)
+    assert set(searched) <= {128}  # the reference: the coarsest groups (the tiny model's K)
+    plain = [g for g, used in asked if not used]
+    schemes_per_linear = sum(len(e) - 1 for e, u in zip(m.errors, m.units) for _ in u.linears)
+    assert len(plain) == schemes_per_linear + (0 if mse else linears)
 
 
 def test_heldout_score_of_the_float_model_is_zero(tiny_llama: Path) -> None:

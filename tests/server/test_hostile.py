@@ -174,7 +174,8 @@ def test_queue_counts_sequences_not_requests(limited_server) -> None:
     results: list[int] = []
 
     def send() -> None:
-        with httpx.Client(base_url=server.base_url, timeout=60) as http:
+        # 16 x 500 tokens: over a minute on a 2-core machine busy with other work
+        with httpx.Client(base_url=server.base_url, timeout=600) as http:
             results.append(http.post("/v1/completions", json=body).status_code)
 
     senders = [threading.Thread(target=send) for _ in range(2)]
@@ -187,7 +188,7 @@ def test_queue_counts_sequences_not_requests(limited_server) -> None:
     full = server.http.post("/v1/completions", json=body)
     assert full.status_code == 429 and full.json()["error"]["code"] == "queue_full"
     for sender in senders:
-        sender.join(60)
+        sender.join(600)
     assert results == [200, 200]
     server.wait_all_blocks_free()
 

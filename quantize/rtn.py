@@ -114,7 +114,7 @@ def search_qparams(
         scale, zero = compute_qparams(torch.stack([p * lo, p * hi], dim=2).flatten(0, 1), bits,
                                       sym, min_zero)  # fmt: skip
         scale, zero = scale.view(len(p), -1, 1), zero.view(len(p), -1, 1)
-        codes = torch.clamp(torch.round(W / scale) + zero, 0, 2**bits - 1)
+        codes = quantize_codes(W.expand(len(p), -1, -1), scale, zero, bits)  # [P, N, k]
         err, i = (scale * (codes - zero) - W).abs().pow(norm).sum(dim=2).min(dim=0)
         better = err < best
         best = torch.where(better, err, best)

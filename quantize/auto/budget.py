@@ -46,6 +46,7 @@ __all__ = [
     "Unit",
     "candidate_schemes",
     "reference_scheme",
+    "directly_measured",
     "linear_bytes",
     "min_bytes",
     "min_error",
@@ -88,12 +89,23 @@ def linear_bytes(N: int, K: int, scheme: Scheme) -> int:
 
 
 def candidate_schemes(unit: Unit) -> list[Scheme]:
-    """16-bit, W8 per channel and W4 with every group size dividing each linear's K (W4 per
-    channel where none does). W4 per channel beside the groups was tried on Gemma-3-270M: the
-    allocator at W4 g64's size put one unit of 72 there, and the checkpoint scored no better
-    (README, `--method auto`)."""
+    """16-bit, W8 per channel, W4 with every group size dividing each linear's K, and W4 per
+    channel where 128 does not divide some K (the only candidate under W4 there when no group
+    size does). Where the coarsest groups are finer than 128 (SmolLM2's K = 576: 64), nothing
+    else is smaller than them, and an allocation at their size cannot pay for any upgrade.
+    Where g128 fits, per channel was tried beside it on Gemma-3-270M: the allocator at W4
+    g64's size put one unit of 72 there, and the checkpoint scored no better (README)."""
     groups = [Scheme(4, g) for g in W4_GROUPS if all(k % g == 0 for _, k in unit.shapes)]
-    return [DENSE, Scheme(8, -1), *(groups or [Scheme(4, -1)])]
+    coarse = [Scheme(4, -1)] if not groups or groups[0].group_size < max(W4_GROUPS) else []
+    return [DENSE, Scheme(8, -1), *groups, *coarse]
+
+
+def directly_measured(schemes: Sequence[Scheme]) -> list[Scheme]:
+    """The schemes whose KL is measured, not carried from the reference's by the ratio of
+    proxy errors: the reference, and W4 per channel beside groups (one range for a whole row is
+    unlike the groups' in kind, which the ratio's assumption of alike noise may not carry)."""
+    ref = reference_scheme(schemes)
+    return [ref, *(s for s in schemes if s == Scheme(4, -1) and s != ref)]
 
 
 def reference_scheme(schemes: Sequence[Scheme]) -> Scheme:

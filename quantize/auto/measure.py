@@ -20,7 +20,8 @@ For each block b, on the float model's inputs of both sets:
        quantization's own options (the MSE range search unless --no-mse): block b runs with
        W_r, the later blocks float;
     4. e_u(s) = KL_u(r) * d_u(s) / d_u(r): the measured KL, carried to the other schemes by the
-       ratio of their proxy errors (16-bit: 0).
+       ratio of their proxy errors (16-bit: 0); W4 per channel, where it is a candidate beside
+       groups (`budget.candidate_schemes`), has its KL measured as r's is instead.
 
 One KL per unit keeps the pass to about one partial forward per unit; the proxy ratio assumes
 the output's sensitivity to the unit's error is the same at every scheme (quantization noise
@@ -53,7 +54,7 @@ from torch import Tensor, nn
 
 from qserve.model.resolve import model_files_stamp
 from qserve.quantize.arch import arch_spec
-from qserve.quantize.auto.budget import DENSE, Unit, candidate_schemes, reference_scheme
+from qserve.quantize.auto.budget import DENSE, Unit, candidate_schemes, directly_measured
 from qserve.quantize.block_context import BlockContext
 from qserve.quantize.calibration import NAMED, calibration_ids, text_prefix
 from qserve.quantize.capture import capture_block_inputs
@@ -74,7 +75,7 @@ __all__ = [
 ]
 
 logger = logging.getLogger("qserve")
-MEASURE_VERSION = 5  # bump when what is measured changes: old cache entries are not read
+MEASURE_VERSION = 6  # bump when what is measured changes: old cache entries are not read
 VERIFY_TOKENS = 4096  # held-out tokens scored per verification (and for the reference mix)
 VERIFY_WINDOW = 512  # tokens per window (fewer when the model's context is shorter)
 
@@ -227,18 +228,30 @@ def _measure_unit(
     X: list[Tensor],
 ) -> tuple[Unit, dict[Scheme, float], float, Swap]:
     """The unit of linears `names` of block b: its proxy errors at each scheme (Hessians of
-    the fit windows), its KL at the reference scheme (from X, block b's KL-window inputs)."""
+    the fit windows), its KL at the directly measured schemes (from X, block b's KL-window
+    inputs), the others' carried from the reference's."""
     spec, s = ctx.spec, ctx.s
     linears = [ctx.linear(n) for n in names]
     full = [spec.checkpoint_name(ctx.prefix + n) for n in names]
     unit = Unit(_unit_name(full), tuple(full), tuple(tuple(m.weight.shape) for m in linears))
-    proxy = {sc: _proxy(ctx, names, hessians, sc) for sc in candidate_schemes(unit) if not sc.dense}
-    ref = reference_scheme(list(proxy))
-    swap = list(zip(linears, _gptq(ctx, names, hessians, ref, mse=bool(s.mse))))
-    kl = tail.kl_with(b, X, swap)
+    schemes = [sc for sc in candidate_schemes(unit) if not sc.dense]
+    measured = directly_measured(schemes)
+    proxy, plain = {}, {}
+    for sc in schemes:
+        quantized = _gptq(ctx, names, hessians, sc, mse=False)
+        proxy[sc] = _proxy(ctx, names, hessians, quantized)
+        if sc in measured and not s.mse:  # --no-mse: these are the KL's weights too
+            plain[sc] = quantized
+    kls, swaps = {}, {}
+    for sc in measured:
+        weights = _gptq(ctx, names, hessians, sc, mse=True) if s.mse else plain.pop(sc)
+        swaps[sc] = list(zip(linears, weights))
+        kls[sc] = tail.kl_with(b, X, swaps[sc])
+    ref = measured[0]
     errs = {DENSE: 0.0}
-    errs.update({sc: kl * proxy[sc] / proxy[ref] if proxy[ref] > 0 else 0.0 for sc in proxy})
-    return unit, errs, kl, swap
+    errs.update({sc: kls[ref] * proxy[sc] / proxy[ref] if proxy[ref] > 0 else 0.0 for sc in proxy})
+    errs.update(kls)
+    return unit, errs, kls[ref], swaps[ref]
 
 
 def _gptq(
@@ -256,11 +269,13 @@ def _gptq(
     return out
 
 
-def _proxy(ctx: BlockContext, names: list[str], hessians: dict[str, Any], scheme: Scheme) -> float:
-    """sum tr((W - W_s) H (W - W_s)^T) over the unit's linears, W_s GPTQ's without the MSE
-    range search (only the ratios between schemes are used)."""
+def _proxy(
+    ctx: BlockContext, names: list[str], hessians: dict[str, Any], quantized: list[Tensor]
+) -> float:
+    """sum tr((W - W_s) H (W - W_s)^T) over the unit's linears, W_s their `quantized` weights
+    (GPTQ's without the MSE range search: only the ratios between schemes are used)."""
     total = 0.0
-    for n, Wq in zip(names, _gptq(ctx, names, hessians, scheme, mse=False)):
+    for n, Wq in zip(names, quantized):
         dW = ctx.linear(n).weight.data.float() - Wq
         total += float(((dW @ hessians[n][0]) * dW).sum())
     return total

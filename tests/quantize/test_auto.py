@@ -36,12 +36,19 @@ def test_linear_bytes_are_the_gptq_tensors_bytes(scheme: Scheme) -> None:
 
 
 def test_candidates_are_the_group_sizes_dividing_every_k() -> None:
-    unit = Unit("u", ("a", "b"), ((64, 576), (64, 1536)))  # 576 = 4.5 * 128
-    assert [s.name for s in candidate_schemes(unit)] == ["bf16", "w8ch", "w4g64", "w4g32"]
-    assert reference_scheme(candidate_schemes(unit)) == Scheme(4, 64)
+    unit = Unit("u", ("a", "b"), ((64, 1024), (64, 1536)))
+    assert [s.name for s in candidate_schemes(unit)] == ["bf16", "w8ch", "w4g128", "w4g64", "w4g32"]
+    assert budget.directly_measured(candidate_schemes(unit)[1:]) == [Scheme(4, 128)]
+    # 576 = 4.5 * 128: W4 per channel is the one candidate smaller than g64, and measured
+    unit = Unit("u", ("a", "b"), ((64, 576), (64, 1536)))
+    candidates = candidate_schemes(unit)
+    assert [s.name for s in candidates] == ["bf16", "w8ch", "w4g64", "w4g32", "w4ch"]
+    assert reference_scheme(candidates) == Scheme(4, 64)
+    assert budget.directly_measured(candidates[1:]) == [Scheme(4, 64), Scheme(4, -1)]
     odd = Unit("u", ("a",), ((64, 200),))  # no group size divides 200
     assert [s.name for s in candidate_schemes(odd)] == ["bf16", "w8ch", "w4ch"]
     assert reference_scheme(candidate_schemes(odd)) == Scheme(4, -1)
+    assert budget.directly_measured(candidate_schemes(odd)[1:]) == [Scheme(4, -1)]
 
 
 def _instance(seed: int) -> tuple[list[Unit], list[dict[Scheme, float]]]:
@@ -162,7 +169,8 @@ def test_measurement_quantizes_its_reference_with_the_runs_gptq_options(
 ) -> None:
     """The weights a unit's KL and the reference mix are measured with are GPTQ's as the run
     makes them: the groups' ranges by MSE search unless --no-mse (on by default for auto). The
-    proxy errors of every scheme skip the search (one call per linear and scheme)."""
+    proxy errors of every scheme skip the search (one call per linear and scheme; with
+    --no-mse the reference's are the KL's weights too, not made twice)."""
     asked: list[tuple[int, bool]] = []
     real = measure_module.gptq_quantize
 
@@ -180,7 +188,32 @@ def test_measurement_quantizes_its_reference_with_the_runs_gptq_options(
     assert set(searched) <= {128}  # the reference: the coarsest groups (the tiny model's K)
     plain = [g for g, used in asked if not used]
     schemes_per_linear = sum(len(e) - 1 for e, u in zip(m.errors, m.units) for _ in u.linears)
-    assert len(plain) == schemes_per_linear + (0 if mse else linears)
+    assert len(plain) == schemes_per_linear  # --no-mse: the reference's proxy weights reused
+
+
+def test_w4_per_channel_beside_groups_is_measured_not_carried(
+    tiny_llama: Path, monkeypatch
+) -> None:
+    """Where per channel is a candidate beside groups (here: no 512 divides the tiny model's
+    K (128, 256), so its coarsest groups are 64), its KL is measured as the reference's is."""
+    monkeypatch.setattr(budget, "W4_GROUPS", (512, 64, 32))
+    measured: list[float] = []
+    real = measure_module._Tail.kl_with
+
+    def spy(self, *args):
+        measured.append(real(self, *args))
+        return measured[-1]
+
+    monkeypatch.setattr(measure_module._Tail, "kl_with", spy)
+    m = measure(tiny_llama, QuantizeSettings(max_ppl_increase="1%", **SETTINGS), None)
+    measured.pop()  # the check of additivity: every unit at once
+    assert len(measured) == 2 * len(m.units)  # the reference's KL, then per channel's
+    assert [e[Scheme(4, 64)] for e in m.errors] == measured[0::2] == m.reference_kl
+    assert [e[Scheme(4, -1)] for e in m.errors] == measured[1::2]
+    for errors in m.errors:
+        assert set(errors) == {Scheme(16), Scheme(8, -1), Scheme(4, 64), Scheme(4, 32),
+                               Scheme(4, -1)}  # fmt: skip
+        assert errors[Scheme(4, 32)] < errors[Scheme(4, 64)] and errors[Scheme(4, -1)] > 0
 
 
 def test_heldout_score_of_the_float_model_is_zero(tiny_llama: Path) -> None:

@@ -2,12 +2,12 @@
 most 3x one GPTQ quantization), in one process.
 
     python benchmarks/auto_cost.py [--model smollm2-135m] [--num-samples 128 32] [--seq-len 512]
-        [--num-threads 2] [--output benchmarks/results/auto_cost.json]
+        [--pass-num-samples 128] [--num-threads 2] [--output benchmarks/results/auto_cost.json]
 
-Times, one after the other: the measurement pass from a cold cache (qserve's defaults:
-Hessians on 128 windows of --seq-len tokens, KLs on 4 more, `generated` calibration), then one
-GPTQ quantization per --num-samples (128: qserve's default; 32: what `benchmarks/autoquant.py`
-uses). The generated
+Times, one after the other: the measurement pass from a cold cache (qserve's defaults: Hessians
+on --pass-num-samples windows of --seq-len tokens (128), KLs on 4 more, `generated` calibration),
+then one GPTQ quantization per --num-samples (128: qserve's default; 32: what
+`benchmarks/autoquant.py` uses, with `--pass-num-samples 32` for its pass). The generated
 calibration text is sampled by whichever run first needs a given count (cached after), so each
 time includes its own sampling unless an earlier run on this machine cached it. Prints a table
 and writes JSON.
@@ -43,7 +43,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     seconds: dict[str, float] = {}
     with tempfile.TemporaryDirectory(prefix="qserve-auto-cost-") as tmp:
         start = time.monotonic()
-        auto = QuantizeSettings(method="auto", max_ppl_increase="1%", seq_len=args.seq_len)
+        auto = QuantizeSettings(
+            method="auto", max_ppl_increase="1%", num_samples=args.pass_num_samples,
+            seq_len=args.seq_len,
+        )  # fmt: skip
         measure(model, auto, Path(tmp) / "cache")  # a fresh cache: measured, not read back
         seconds["measurement pass"] = time.monotonic() - start
         for n in args.num_samples:
@@ -69,6 +72,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num-threads", type=int, default=2)
     p.add_argument("--num-samples", type=int, nargs="+", default=[128, 32], help="GPTQ windows")
     p.add_argument("--seq-len", type=int, default=512, help="tokens per calibration window")
+    p.add_argument("--pass-num-samples", type=int, default=128, help="the pass's Hessian windows")
     p.add_argument("--output", type=Path, default=DEFAULT_OUTPUT)
     return p.parse_args(argv)
 

@@ -103,7 +103,11 @@ def candidate_schemes(unit: Unit) -> list[Scheme]:
 def directly_measured(schemes: Sequence[Scheme]) -> list[Scheme]:
     """The schemes whose KL is measured, not carried from the reference's by the ratio of
     proxy errors: the reference, and W4 per channel beside groups (one range for a whole row is
-    unlike the groups' in kind, which the ratio's assumption of alike noise may not carry)."""
+    unlike the groups' in kind, which the ratio's assumption of alike noise may not carry). On
+    SmolLM2-135M (18 units of 6 blocks) the plain proxies' ratio was 0.06x to 1.26x its
+    measured KL ratio to g64, that of the proxies of both schemes' MSE-searched weights 0.41x to
+    1.63x, biased by unit kind (q/k/v 0.69x to 0.72x in the last blocks); two sets of 4 KL
+    windows agreed on the measured ratio within 10%. Measured on measure.RATIO_WINDOWS."""
     ref = reference_scheme(schemes)
     return [ref, *(s for s in schemes if s == Scheme(4, -1) and s != ref)]
 

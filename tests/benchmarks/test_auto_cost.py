@@ -13,7 +13,8 @@ def test_auto_cost_times_the_pass_and_both_gptq_runs(tmp_path: Path, monkeypatch
     monkeypatch.setenv("QSERVE_CACHE_DIR", str(tmp_path / "cache"))  # not the user's cache
     model = save_tiny_llama(tmp_path / "tiny")
     out = tmp_path / "cost.json"
-    argv = ["--model", str(model), "--num-samples", "8", "4", "--seq-len", "64"]
+    argv = ["--model", str(model), "--num-samples", "8", "4", "--seq-len", "64",
+            "--pass-num-samples", "4"]  # fmt: skip
     assert auto_cost.main([*argv, "--output", str(out)]) == 0
     seconds = json.loads(out.read_text())["seconds"]
     assert list(seconds) == ["measurement pass", "GPTQ, 8 x 64", "GPTQ, 4 x 64"]

@@ -151,13 +151,13 @@ def test_measurement_fits_and_scores_on_different_windows(
 
     monkeypatch.setattr(measure_module, "calibration_ids", spy)
     seen: list[list[torch.Tensor]] = []
-    real_kl = measure_module._Tail.kl_with
+    real_kl = measure_module._Tail.kl_sums
 
-    def kl_with(self, b, X, swap):
+    def kl_sums(self, b, X, swap):
         seen.append(X)
         return real_kl(self, b, X, swap)
 
-    monkeypatch.setattr(measure_module._Tail, "kl_with", kl_with)
+    monkeypatch.setattr(measure_module._Tail, "kl_sums", kl_sums)
     measure(tiny_llama, QuantizeSettings(max_ppl_increase="1%", **SETTINGS), None)
     assert len(asked) == 1 and asked[0].shape == (4 + 2, 64)
     assert all(len(X) == 2 for X in seen)
@@ -195,25 +195,30 @@ def test_w4_per_channel_beside_groups_is_measured_not_carried(
     tiny_llama: Path, monkeypatch
 ) -> None:
     """Where per channel is a candidate beside groups (here: no 512 divides the tiny model's
-    K (128, 256), so its coarsest groups are 64), its KL is measured as the reference's is."""
+    K (128, 256), so its coarsest groups are 64), its KL is measured as the reference's is, on
+    the first RATIO_WINDOWS KL windows, and carried by its ratio to the reference's there."""
     monkeypatch.setattr(budget, "W4_GROUPS", (512, 64, 32))
-    measured: list[float] = []
-    real = measure_module._Tail.kl_with
+    monkeypatch.setattr(measure_module, "RATIO_WINDOWS", 1)  # of the 2 KL windows
+    calls: list[list[float]] = []  # per call: the KL summed over each window
+    real = measure_module._Tail.kl_sums
 
     def spy(self, *args):
-        measured.append(real(self, *args))
-        return measured[-1]
+        calls.append(real(self, *args))
+        return calls[-1]
 
-    monkeypatch.setattr(measure_module._Tail, "kl_with", spy)
+    monkeypatch.setattr(measure_module._Tail, "kl_sums", spy)
     m = measure(tiny_llama, QuantizeSettings(max_ppl_increase="1%", **SETTINGS), None)
-    measured.pop()  # the check of additivity: every unit at once
-    assert len(measured) == 2 * len(m.units)  # the reference's KL, then per channel's
-    assert [e[Scheme(4, 64)] for e in m.errors] == measured[0::2] == m.reference_kl
-    assert [e[Scheme(4, -1)] for e in m.errors] == measured[1::2]
-    for errors in m.errors:
+    calls.pop()  # the check of additivity: every unit at once
+    assert len(calls) == 2 * len(m.units)  # the reference's KL, then per channel's
+    assert [len(c) for c in calls] == [2, 1] * len(m.units)
+    for i, errors in enumerate(m.errors):
+        ref, ch = calls[2 * i], calls[2 * i + 1]
+        kl = sum(ref) / (2 * 64)  # per token: 2 windows of 64
+        assert errors[Scheme(4, 64)] == m.reference_kl[i] == pytest.approx(kl, rel=1e-12)
+        assert errors[Scheme(4, -1)] == pytest.approx(kl * ch[0] / ref[0], rel=1e-12)
+        assert errors[Scheme(4, -1)] != errors[Scheme(4, 64)]
         assert set(errors) == {Scheme(16), Scheme(8, -1), Scheme(4, 64), Scheme(4, 32),
                                Scheme(4, -1)}  # fmt: skip
-        assert errors[Scheme(4, 32)] < errors[Scheme(4, 64)] and errors[Scheme(4, -1)] > 0
 
 
 def test_heldout_score_of_the_float_model_is_zero(tiny_llama: Path) -> None:

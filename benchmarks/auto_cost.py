@@ -74,7 +74,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seq-len", type=int, default=512, help="tokens per calibration window")
     p.add_argument("--pass-num-samples", type=int, default=128, help="the pass's Hessian windows")
     p.add_argument("--output", type=Path, default=DEFAULT_OUTPUT)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if min(*args.num_samples, args.pass_num_samples, args.seq_len, args.num_threads) < 1:
+        p.error("--num-samples, --pass-num-samples, --seq-len, --num-threads must be positive")
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from benchmarks import auto_cost
 from tests.tiny import save_tiny_llama
 
@@ -20,3 +22,10 @@ def test_auto_cost_times_the_pass_and_both_gptq_runs(tmp_path: Path, monkeypatch
     assert list(seconds) == ["measurement pass", "GPTQ, 8 x 64", "GPTQ, 4 x 64"]
     assert all(t > 0 for t in seconds.values())
     assert "pass / run" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("bad", [["--pass-num-samples", "0"], ["--num-samples", "8", "-1"]])
+def test_non_positive_counts_are_a_one_line_error(bad: list[str], capsys) -> None:
+    with pytest.raises(SystemExit) as info:
+        auto_cost.parse_args(bad)
+    assert info.value.code == 2 and "must be positive" in capsys.readouterr().err

@@ -247,11 +247,8 @@ def _measure_unit(
     ref, carried = measured[0], [sc for sc in schemes if sc not in measured[1:]]
     weights = {sc: _gptq(ctx, names, hessians, sc, mse=False) for sc in carried}
     proxy = {sc: _proxy(ctx, names, hessians, w) for sc, w in weights.items()}
-    run = {  # the run's own GPTQ (with --no-mse: the plain weights, made once)
-        sc: _gptq(ctx, names, hessians, sc, mse=s.mse) if s.mse or sc not in weights
-        else weights[sc]
-        for sc in measured
-    }  # fmt: skip
+    reuse = {} if s.mse else weights  # --no-mse: the run's own GPTQ is the plain one, made once
+    run = {sc: reuse.get(sc) or _gptq(ctx, names, hessians, sc, mse=s.mse) for sc in measured}
     swap = list(zip(linears, run[ref]))
     sums = tail.kl_sums(b, X, swap)
     kl = sum(sums) / tail.tokens(len(X))
@@ -259,9 +256,10 @@ def _measure_unit(
     errs.update({sc: kl * proxy[sc] / proxy[ref] if proxy[ref] > 0 else 0.0 for sc in carried})
     errs[ref] = kl
     n = min(RATIO_WINDOWS, len(X))
-    for sc in measured[1:]:  # its KL against the reference's, on the first n windows
+    base = sum(sums[:n])  # the reference's KL on the first n windows
+    for sc in measured[1:]:
         part = sum(tail.kl_sums(b, X[:n], list(zip(linears, run[sc]))))
-        errs[sc] = kl * part / sum(sums[:n]) if sum(sums[:n]) > 0 else 0.0
+        errs[sc] = kl * part / base if base > 0 else 0.0
     return unit, errs, kl, swap
 
 

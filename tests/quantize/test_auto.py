@@ -219,6 +219,7 @@ def test_w4_per_channel_beside_groups_is_measured_not_carried(
         assert errors[Scheme(4, -1)] != errors[Scheme(4, 64)]
         assert set(errors) == {Scheme(16), Scheme(8, -1), Scheme(4, 64), Scheme(4, 32),
                                Scheme(4, -1)}  # fmt: skip
+        assert errors[Scheme(4, 32)] < errors[Scheme(4, 64)] and errors[Scheme(4, -1)] > 0
 
 
 def test_heldout_score_of_the_float_model_is_zero(tiny_llama: Path) -> None:

@@ -61,6 +61,7 @@ from torch import Tensor, nn
 from qserve.model.resolve import model_files_stamp
 from qserve.quantize.arch import arch_spec
 from qserve.quantize.auto.budget import DENSE, Unit, candidate_schemes, directly_measured
+from qserve.quantize.auto.tail import Swap, Tail, block_forward, swapped
 from qserve.quantize.block_context import BlockContext
 from qserve.quantize.calibration import NAMED, calibration_ids, text_prefix
 from qserve.quantize.capture import capture_block_inputs
@@ -192,8 +193,8 @@ def _measure(
     X, kwargs = capture_block_inputs(model, blocks, ids)
     fit, inputs = X[:n_fit], [X[n_fit:]]  # inputs[b]: the float inputs of block b (KL windows)
     for b, block in enumerate(blocks):
-        inputs.append([block(x, **kwargs[b]) for x in inputs[b]])
-    tail = _Tail(model, blocks, kwargs, inputs[-1])
+        inputs.append(block_forward(block, inputs[b], kwargs[b]))
+    tail = Tail(model, blocks, kwargs, inputs[-1])
     units, errors, kls, swaps = [], [], [], []
     for b, block in enumerate(blocks):
         prefix = f"{spec.blocks}.{b}."
@@ -223,14 +224,11 @@ def _hessian_step(acc: Any, x: Tensor) -> tuple[Tensor, int]:
     return accumulate_hessian(H, n, x)
 
 
-Swap = list[tuple[nn.Linear, Tensor]]  # (linear, the weight it takes at the reference scheme)
-
-
 def _measure_unit(
     ctx: BlockContext,
     names: list[str],
     hessians: dict[str, Any],
-    tail: _Tail,
+    tail: Tail,
     b: int,
     X: list[Tensor],
 ) -> tuple[Unit, dict[Scheme, float], float, Swap]:
@@ -297,52 +295,6 @@ def _unit_name(linears: list[str]) -> str:
     return f"{parent}.{'+'.join([first, *rest])}"
 
 
-class _Tail:
-    """The float model from block b on, and the KL of its final logits against the float
-    model's (from its final hidden states `final`: per sample, [T, vocab] log-probabilities,
-    summed as p (log p - log q) term by term: the KLs are small beside the entropy)."""
-
-    def __init__(
-        self, model: nn.Module, blocks: nn.ModuleList, kwargs: list[dict], final: list[Tensor]
-    ) -> None:
-        self.model, self.blocks, self.kwargs = model, blocks, kwargs
-        self.reference = [_logprobs(model, h) for h in final]
-
-    def kl_sums(self, b: int, X: list[Tensor], swap: Swap) -> list[float]:
-        """Per window of X (block b's inputs of the first len(X) KL windows), its KL summed over
-        its tokens, with the swapped weights in place."""
-        with _swapped(swap):
-            hidden = [self.blocks[b](x, **self.kwargs[b]) for x in X]
-        for c in range(b + 1, len(self.blocks)):
-            hidden = [self.blocks[c](h, **self.kwargs[c]) for h in hidden]
-        return [
-            float((ref.exp() * (ref - _logprobs(self.model, h))).sum())
-            for h, ref in zip(hidden, self.reference)
-        ]
-
-    def tokens(self, windows: int) -> int:
-        """Tokens of the first `windows` KL windows."""
-        return sum(ref.shape[0] for ref in self.reference[:windows])
-
-    def kl_with(self, b: int, X: list[Tensor], swap: Swap) -> float:
-        """Mean KL per token with the swapped weights in place, from block b's inputs X."""
-        return sum(self.kl_sums(b, X, swap)) / self.tokens(len(X))
-
-    def all_at_once(self, X: list[Tensor], swaps: list[Swap]) -> float:
-        with _swapped([pair for swap in swaps for pair in swap]):
-            return self.kl_with(0, X, [])
-
-
-def _logprobs(model: nn.Module, hidden: Tensor) -> Tensor:
-    """[T, vocab] fp32 log-probabilities of the final hidden states [1, T, hidden]."""
-    h = model.get_decoder().norm(hidden)
-    logits = model.get_output_embeddings()(h)[0].float()
-    cap = getattr(model.config, "final_logit_softcapping", None)
-    if cap:
-        logits = torch.tanh(logits / cap) * cap
-    return torch.log_softmax(logits, dim=-1)
-
-
 def heldout_tokens(tokenizer: Any, max_len: int) -> tuple[list[int], list[int], int]:
     """(held-out token ids, the tokens a text starts with, window): what the verification
     scores, in windows of VERIFY_WINDOW tokens (fewer where the model's context is shorter)."""
@@ -370,7 +322,7 @@ def _heldout_score(model: nn.Module, windows: list[list[int]], swaps: list[Swap]
     for window in windows:
         ids = torch.tensor([window])
         log_p = torch.log_softmax(model(input_ids=ids, use_cache=False).logits[0, :-1].float(), -1)
-        with _swapped([pair for swap in swaps for pair in swap]):
+        with swapped([pair for swap in swaps for pair in swap]):
             logits = model(input_ids=ids, use_cache=False).logits[0, :-1].float()
         log_q = torch.log_softmax(logits, -1)
         target = ids[0, 1:, None]
@@ -380,20 +332,3 @@ def _heldout_score(model: nn.Module, windows: list[list[int]], swaps: list[Swap]
         count += target.shape[0]
         del log_p, log_q, logits
     return {"increase": math.expm1((nll_q - nll_p) / count), "kl": kl / count, "tokens": count}
-
-
-class _swapped:
-    """Inside, each linear holds its swapped weight; its own weight is back after."""
-
-    def __init__(self, swap: Swap) -> None:
-        self.swap = swap
-        self.saved: list[Tensor] = []
-
-    def __enter__(self) -> None:
-        self.saved = [m.weight.data for m, _ in self.swap]
-        for m, w in self.swap:
-            m.weight.data = w
-
-    def __exit__(self, *exc: object) -> None:
-        for (m, _), w in zip(self.swap, self.saved):
-            m.weight.data = w

@@ -151,13 +151,13 @@ def test_measurement_fits_and_scores_on_different_windows(
 
     monkeypatch.setattr(measure_module, "calibration_ids", spy)
     seen: list[list[torch.Tensor]] = []
-    real_kl = measure_module._Tail.kl_sums
+    real_kl = measure_module.Tail.kl_sums
 
     def kl_sums(self, b, X, swap):
         seen.append(X)
         return real_kl(self, b, X, swap)
 
-    monkeypatch.setattr(measure_module._Tail, "kl_sums", kl_sums)
+    monkeypatch.setattr(measure_module.Tail, "kl_sums", kl_sums)
     measure(tiny_llama, QuantizeSettings(max_ppl_increase="1%", **SETTINGS), None)
     assert len(asked) == 1 and asked[0].shape == (4 + 2, 64)
     assert all(len(X) == 2 for X in seen)
@@ -200,13 +200,13 @@ def test_w4_per_channel_beside_groups_is_measured_not_carried(
     monkeypatch.setattr(budget, "W4_GROUPS", (512, 64, 32))
     monkeypatch.setattr(measure_module, "RATIO_WINDOWS", 1)  # of the 2 KL windows
     calls: list[list[float]] = []  # per call: the KL summed over each window
-    real = measure_module._Tail.kl_sums
+    real = measure_module.Tail.kl_sums
 
     def spy(self, *args):
         calls.append(real(self, *args))
         return calls[-1]
 
-    monkeypatch.setattr(measure_module._Tail, "kl_sums", spy)
+    monkeypatch.setattr(measure_module.Tail, "kl_sums", spy)
     m = measure(tiny_llama, QuantizeSettings(max_ppl_increase="1%", **SETTINGS), None)
     calls.pop()  # the check of additivity: every unit at once
     assert len(calls) == 2 * len(m.units)  # the reference's KL, then per channel's

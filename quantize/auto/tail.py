@@ -65,8 +65,8 @@ class Tail:
 
 def block_forward(block: nn.Module, X: list[Tensor], kwargs: dict[str, Any]) -> list[Tensor]:
     """block(x) for each x of X ([1, T, hidden] each), as one batch where their lengths agree
-    (the kwargs' position embeddings and masks, batch 1, broadcast): larger matmuls, 6% less
-    time on SmolLM2-135M."""
+    (the kwargs' position embeddings and masks, batch 1, broadcast): larger matmuls, about 10%
+    less block time on SmolLM2-135M (timed alone, 2-core AVX2 EPYC)."""
     if len({x.shape for x in X}) != 1:
         return [block(x, **kwargs) for x in X]
     return list(block(torch.cat(X), **kwargs).split(1))
@@ -76,11 +76,9 @@ def logits(model: nn.Module, hidden: Tensor) -> Tensor:
     """[T, vocab] fp32 logits of the final hidden states [1, T, hidden] (soft-capped where the
     model caps them)."""
     h = model.get_decoder().norm(hidden)
-    logits = model.get_output_embeddings()(h)[0].float()
+    z = model.get_output_embeddings()(h)[0].float()
     cap = getattr(model.config, "final_logit_softcapping", None)
-    if cap:
-        logits = torch.tanh(logits / cap) * cap
-    return logits
+    return torch.tanh(z / cap) * cap if cap else z
 
 
 class swapped:

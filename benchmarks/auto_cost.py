@@ -7,18 +7,22 @@ most 3x one GPTQ quantization), in one process.
 Times, one after the other: the measurement pass from a cold cache (qserve's defaults: Hessians
 on --pass-num-samples windows of --seq-len tokens (128), KLs on 4 more, `generated` calibration),
 then one GPTQ quantization per --num-samples (128: qserve's default; 32: what
-`benchmarks/autoquant.py` uses, with `--pass-num-samples 32` for its pass). The generated
-calibration text is sampled by whichever run first needs a given count (cached after), so each
-time includes its own sampling unless an earlier run on this machine cached it. Prints a table
-and writes JSON.
+`benchmarks/autoquant.py` uses, with `--pass-num-samples 32` for its pass). Each run has an
+empty cache of its own (`QSERVE_CACHE_DIR`), so each time includes sampling its `generated`
+windows, as a first quantization of a model does (`--method auto` samples once for its pass
+and its quantization: the pass's windows are the quantization's and a few more). Prints a
+table and writes JSON.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -47,15 +51,31 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             method="auto", max_ppl_increase="1%", num_samples=args.pass_num_samples,
             seq_len=args.seq_len,
         )  # fmt: skip
-        measure(model, auto, Path(tmp) / "cache")  # a fresh cache: measured, not read back
+        with _cache(Path(tmp) / "pass"):  # measured, not read back
+            measure(model, auto, Path(tmp) / "pass" / "autoquant")
         seconds["measurement pass"] = time.monotonic() - start
         for n in args.num_samples:
             name = f"GPTQ, {n} x {args.seq_len}"
             settings = QuantizeSettings(num_samples=n, seq_len=args.seq_len)
             start = time.monotonic()
-            quantize_model(model, Path(tmp) / f"gptq-{len(seconds)}", settings)
+            with _cache(Path(tmp) / f"gptq-{len(seconds)}") as root:
+                quantize_model(model, root / "out", settings)
             seconds[name] = time.monotonic() - start
     return {"model": args.model, "settings": run_arguments(args), "seconds": seconds}
+
+
+@contextlib.contextmanager
+def _cache(root: Path) -> Iterator[Path]:
+    """Inside, qserve's cache (the sampled calibration windows) is the empty folder `root`."""
+    before = os.environ.get("QSERVE_CACHE_DIR")
+    os.environ["QSERVE_CACHE_DIR"] = str(root)
+    try:
+        yield root
+    finally:
+        if before is None:
+            del os.environ["QSERVE_CACHE_DIR"]
+        else:
+            os.environ["QSERVE_CACHE_DIR"] = before
 
 
 def format_table(summary: dict[str, Any]) -> str:

@@ -5,8 +5,10 @@ on text unlike it. A broad corpus would help but cannot be bundled; the model's 
 as broad as what it learned (LLM-QAT's data-free calibration, Liu et al. 2023): each sequence
 starts from a random token and is sampled at temperature 1 through qserve's engine. `generated`
 calibrates on those sequences for half the windows and on the default text (Moby-Dick
-chapters 11+) for the other half, interleaved. The sequences are cached by model files,
-count, length and seed, so a second quantization of the same model does not sample again.
+chapters 11+) for the other half, interleaved. Sequence i is seeded SEED + i, so the cache
+(by model files, length and seed) serves any count: a smaller one reads the first rows, a larger
+one samples only the rows past them. `--method auto`'s measurement pass (its Hessian windows and
+a few more) and its quantization (the Hessian windows) sample once between them.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 from pathlib import Path
 
 import torch
@@ -27,7 +30,7 @@ logger = logging.getLogger("qserve")
 GENERATED = "generated"
 START_TOKENS = 10_000  # first tokens are drawn from the lowest ids (a BPE's most common merges)
 SEED = 0
-VERSION = 1
+VERSION = 2  # 2: one cache file per model and length, any count
 
 
 def generated_cache_dir() -> Path:
@@ -36,8 +39,8 @@ def generated_cache_dir() -> Path:
     return cache_dir() / "calibration"
 
 
-def _key(model_path: Path, num_samples: int, seq_len: int, prefix: list[int]) -> str:
-    what = [VERSION, model_files_stamp(model_path), num_samples, seq_len, SEED, START_TOKENS]
+def _key(model_path: Path, seq_len: int, prefix: list[int]) -> str:
+    what = [VERSION, model_files_stamp(model_path), seq_len, SEED, START_TOKENS]
     what += [prefix] if prefix else []  # the keys of models without one predate it
     return hashlib.sha256(json.dumps(what).encode()).hexdigest()[:16]
 
@@ -54,18 +57,21 @@ def generated_ids(
 
     cache_dir = generated_cache_dir() if cache_dir is None else cache_dir
     prefix = text_prefix(AutoTokenizer.from_pretrained(model_path))
-    path = cache_dir / f"{_key(model_path, num_samples, seq_len, prefix)}.pt"
-    if path.is_file():
-        return torch.load(path)
-    ids = _sample(model_path, num_samples, seq_len, prefix)
+    path = cache_dir / f"{_key(model_path, seq_len, prefix)}.pt"
+    cached = torch.load(path) if path.is_file() else torch.empty(0, seq_len, dtype=torch.long)
+    if len(cached) >= num_samples:
+        return cached[:num_samples]
+    ids = torch.cat([cached, _sample(model_path, len(cached), num_samples, seq_len, prefix)])
     cache_dir.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
     torch.save(ids, tmp)
-    tmp.replace(path)
+    tmp.replace(path)  # atomic; two runs extending it at once write the same first rows
     return ids
 
 
-def _sample(model_path: Path, num_samples: int, seq_len: int, prefix: list[int]) -> Tensor:
+def _sample(model_path: Path, first: int, stop: int, seq_len: int, prefix: list[int]) -> Tensor:
+    """Sequences first..stop-1: sequence i starts from the i-th start token drawn from SEED and
+    samples with seed SEED + i, whichever others are sampled beside it."""
     import gc
     import time
 
@@ -74,7 +80,7 @@ def _sample(model_path: Path, num_samples: int, seq_len: int, prefix: list[int])
 
     logger.info(
         "calibration: sampling %d sequences of %d tokens from the model (--calib generated; "
-        "cached in %s)", num_samples, seq_len, generated_cache_dir(),
+        "cached in %s)", stop - first, seq_len, generated_cache_dir(),
     )  # fmt: skip
     start = time.monotonic()
     level = logger.level
@@ -88,11 +94,12 @@ def _sample(model_path: Path, num_samples: int, seq_len: int, prefix: list[int])
         vocab = min(START_TOKENS, llm.engine.model_config.vocab_size)
         candidates = torch.tensor([i for i in range(vocab) if i not in special])
         g = torch.Generator().manual_seed(SEED)
-        starts = candidates[torch.randint(len(candidates), (num_samples,), generator=g)].tolist()
+        draws = torch.randint(len(candidates), (stop,), generator=g)  # the same first draws
+        starts = candidates[draws[first:]].tolist()  # for any stop
         new_tokens = seq_len - 1 - len(prefix)
         params = [
             SamplingParams(temperature=1.0, max_tokens=new_tokens, ignore_eos=True, seed=SEED + i)
-            for i in range(num_samples)
+            for i in range(first, stop)
         ]
         prompts = [[*prefix, s] for s in starts]
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)

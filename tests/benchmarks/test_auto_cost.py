@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -22,6 +23,9 @@ def test_auto_cost_times_the_pass_and_both_gptq_runs(tmp_path: Path, monkeypatch
     assert list(seconds) == ["measurement pass", "GPTQ, 8 x 64", "GPTQ, 4 x 64"]
     assert all(t > 0 for t in seconds.values())
     assert "pass / run" in capsys.readouterr().out
+    # each run sampled its calibration into a cache of its own, then the user's is back
+    assert os.environ["QSERVE_CACHE_DIR"] == str(tmp_path / "cache")
+    assert not (tmp_path / "cache" / "calibration").exists()
 
 
 @pytest.mark.parametrize("bad", [["--pass-num-samples", "0"], ["--num-samples", "8", "-1"]])

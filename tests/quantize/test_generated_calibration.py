@@ -11,7 +11,12 @@ import torch
 from transformers import AutoTokenizer
 
 from qserve.quantize import generated
-from qserve.quantize.calibration import calibration_ids, calibration_windows, load_calibration_text
+from qserve.quantize.calibration import (
+    calibration_ids,
+    calibration_windows,
+    load_calibration_text,
+    text_prefix,
+)
 from qserve.quantize.driver import quantize_model
 from qserve.quantize.settings import QuantizeSettings
 
@@ -36,6 +41,31 @@ def test_generated_ids_are_sampled_once_and_cached(
     assert torch.equal(generated.generated_ids(tiny_llama, 3, 24, tmp_path / "other"), ids)
 
 
+def test_a_larger_count_samples_only_the_rows_past_the_cached_ones(
+    tiny_llama: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    first = generated.generated_ids(tiny_llama, 2, 24, tmp_path)
+    asked: list[tuple[int, int]] = []
+    sample = generated._sample
+
+    def spy(model_path: Path, start: int, stop: int, *args: object) -> torch.Tensor:
+        asked.append((start, stop))
+        return sample(model_path, start, stop, *args)
+
+    monkeypatch.setattr(generated, "_sample", spy)
+    more = generated.generated_ids(tiny_llama, 4, 24, tmp_path)
+    assert asked == [(2, 4)] and torch.equal(more[:2], first)
+    assert len({tuple(r) for r in more.tolist()}) == 4
+    assert torch.equal(generated.generated_ids(tiny_llama, 3, 24, tmp_path), more[:3])
+    assert asked == [(2, 4)]  # a smaller count reads the first rows: nothing sampled
+    (cached,) = tmp_path.glob("*.pt")
+    assert torch.equal(torch.load(cached), more)
+    # sequence i starts from the i-th draw of SEED whatever the count
+    alone = generated.generated_ids(tiny_llama, 4, 24, tmp_path / "other")
+    start = len(text_prefix(AutoTokenizer.from_pretrained(tiny_llama)))
+    assert torch.equal(alone[:, start], more[:, start])
+
+
 def test_generated_windows_alternate_with_the_default_text(
     tiny_llama: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -46,6 +76,18 @@ def test_generated_windows_alternate_with_the_default_text(
     text = calibration_windows(tokenizer, load_calibration_text(), 2, 32)
     assert torch.equal(ids, torch.stack([gen[0], text[0], gen[1], text[1], gen[2]]))
     assert torch.equal(calibration_ids(tiny_llama, tokenizer, "generated", 1, 32), gen[:1])
+
+
+def test_the_measurement_pass_windows_begin_with_the_quantization_ones(
+    tiny_llama: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--method auto's pass takes num_samples + measure_samples windows, its quantization the
+    first num_samples: one sampling serves both."""
+    monkeypatch.setenv("QSERVE_CACHE_DIR", str(tmp_path))
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama)
+    measured = calibration_ids(tiny_llama, tokenizer, "generated", 8, 32)
+    monkeypatch.setattr(generated, "_sample", lambda *a: pytest.fail("sampled again"))
+    assert torch.equal(calibration_ids(tiny_llama, tokenizer, "generated", 4, 32), measured[:4])
 
 
 def test_gptq_calibrates_on_generated_text(

@@ -139,15 +139,21 @@ class BlockContext:
         """Each linear -> the linear whose input it shares (`ArchSpec.owner`)."""
         return {n: self.spec.owner(n) for n in names}
 
-    def collect(self, names: Iterable[str], step: Callable[[Any, Tensor], Any]) -> dict[str, Any]:
+    def collect(
+        self,
+        names: Iterable[str],
+        step: Callable[[Any, Tensor], Any],
+        outputs: list[Tensor] | None = None,
+    ) -> dict[str, Any]:
         """Accumulate the inputs of the named linears over X with `step`. Linears of one
-        sequential group read the same input: it is accumulated once, for the first of them."""
+        sequential group read the same input: it is accumulated once, for the first of them.
+        `outputs`: the block's output for each of X is appended to it (the next block's X)."""
         owner = self._owners(names)
-        if not owner:
+        if not owner and outputs is None:
             return {}
         modules = {o: self.linear(o) for o in set(owner.values())}
         with self.attention_replay(any(self._in_attention(o) for o in modules)):
-            acc = collect_inputs(self.block, modules, self.X, self.kwargs, step)
+            acc = collect_inputs(self.block, modules, self.X, self.kwargs, step, outputs=outputs)
         return {n: acc[o] for n, o in owner.items()}
 
     def collect_paired(

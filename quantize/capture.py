@@ -84,12 +84,14 @@ def collect_inputs(
     step: Callable[[Any, Tensor], Any] | None,
     start: dict[str, Any] | None = None,
     named_step: Callable[[str, Any, Tensor], Any] | None = None,
+    outputs: list[Tensor] | None = None,
 ) -> dict[str, Any]:
     """Run X through `block`, folding each linear's inputs into an accumulator with `step`
     (or `named_step`, which is also given the linear's name), starting from `start`.
 
     The forward of a sample stops as soon as every hooked linear has seen its input (the rest
-    of the block is not needed): pre-hooks, so a linear's own matmul is skipped too.
+    of the block is not needed): pre-hooks, so a linear's own matmul is skipped too. With
+    `outputs`, each forward runs to the end instead and the block's output is appended to it.
     """
     acc: dict[str, Any] = dict(start) if start is not None else dict.fromkeys(linears)
     seen: set[str] = set()
@@ -99,7 +101,7 @@ def collect_inputs(
         def fn(module: nn.Module, args: tuple[Tensor, ...]) -> None:
             acc[name] = fold(name, acc[name], args[0].detach())
             seen.add(name)
-            if len(seen) == len(linears):
+            if outputs is None and len(seen) == len(linears):
                 raise StopForward
 
         return fn
@@ -109,9 +111,11 @@ def collect_inputs(
         for x in X:
             seen.clear()
             try:
-                block(x, **kwargs)
+                out = block(x, **kwargs)
             except StopForward:
-                pass
+                continue
+            if outputs is not None:
+                outputs.append(out)
     finally:
         for h in handles:
             h.remove()

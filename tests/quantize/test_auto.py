@@ -254,9 +254,9 @@ def run_auto(model: Path, out: Path, budget: list[str], monkeypatch) -> dict:
 def test_auto_meets_its_budget_on_held_out_text(
     tiny_llama: Path, tmp_path: Path, monkeypatch
 ) -> None:
-    out, args = tmp_path / "auto", ["--max-ppl-increase", "0.05%"]
+    out, args = tmp_path / "auto", ["--max-ppl-increase", "0.1%"]
     record = run_auto(tiny_llama, out, args, monkeypatch)
-    assert record["met"] and record["measured"]["increase"] <= 0.0005
+    assert record["met"] and record["measured"]["increase"] <= 0.001
     assert record["measured"]["tokens"] > 1000
     schemes = {a["scheme"] for a in record["allocation"]}
     qc = json.loads((out / "config.json").read_text())["quantization_config"]

@@ -3,7 +3,7 @@ auto` at several budgets, beside uniform schemes and a llama.cpp-style mix, in o
 
     python benchmarks/autoquant.py [--model smollm2-135m] [--budgets 0.5,1,2,5,10]
         [--num-samples 32] [--seq-len 512] [--measure-samples N] [--eval-tokens 4096]
-        [--num-threads 2] [--pareto-only] [--no-chart]
+        [--num-threads 2] [--pareto-only | --budgets-only] [--no-chart]
         [--output benchmarks/results/autoquant.json] [--chart benchmarks/results/autoquant.png]
 
 Rows, each a GPTQ checkpoint written by `quantize_model` (qserve's GPTQ defaults: GPTAQ, mse,
@@ -21,12 +21,14 @@ Each row: bits per weight of the quantized linears (every tensor they store: cod
 zeros, g_idx; 16-bit ones at 16), checkpoint MB, perplexity on the held-out text (the State of
 the Union 2010-2020, what `auto` verifies its budget on) and in-domain (Moby-Dick ch. 1-10), each
 the first `--eval-tokens` tokens in 512-token windows, fp32 through the engine, and for `auto`
-the predicted and the measured increase. Each `auto @<row>` is also compared with its row on
-the same windows: the relative perplexity with a 95% interval over windows (a paired
-comparison: both score the same text, so the spread of the text's difficulty cancels).
-`--pareto-only` runs just that comparison at W4 g64's size. The measurement pass's time is
-reported beside one GPTQ quantization's (target: at most 3x). Prints a table, writes JSON and a
-PNG chart.
+the predicted increase and what its verification measured (the increase on the first 16384
+held-out tokens and the upper 95% bound there that the budget is held to). Each `auto @<row>`
+is also compared with its row on the same windows: the relative perplexity with a 95% interval
+over windows (a paired comparison: both score the same text, so the spread of the text's
+difficulty cancels).
+`--pareto-only` runs just that comparison at W4 g64's size, `--budgets-only` just the budget
+rows. The measurement pass's time is reported beside one GPTQ quantization's (target: at most
+3x). Prints a table, writes the JSON after every row (a run takes hours) and a PNG chart.
 """
 
 from __future__ import annotations
@@ -68,6 +70,8 @@ class Row:
     predicted_increase: float | None = None
     attempts: int | None = None
     budget: float | None = None
+    verified_increase: float | None = None  # auto: on the verification's windows, and its
+    verified_bound: float | None = None  # upper 95% bound there, what the budget is held to
 
 
 def use_more_bits(i: int, n: int) -> bool:
@@ -185,6 +189,8 @@ def _quantized_row(
         row.predicted_increase = auto["predicted_increase"]
         row.attempts = len(auto["attempts"])
         row.budget = auto["budget"]["max_ppl_increase"]
+        row.verified_increase = auto["measured"]["increase"]
+        row.verified_bound = auto["measured"].get("increase_bound")
     return row
 
 
@@ -205,44 +211,46 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     hidden, inter = config["hidden_size"], config["intermediate_size"]
     groups = [g for g in (128, 64, 32) if hidden % g == 0 and inter % g == 0]
     rows: list[Row | None] = []
-    rows.append(
-        row_of("baseline", "baseline", 16.0, _mb(model), score(model, ids, args.eval_tokens))
-    )
-    base = {"heldout": rows[0].heldout, "in_domain": rows[0].in_domain}
-    log(rows[-1], base)
+    summary: dict[str, Any] = {"model": args.model, "args": run_arguments(args)}
+
+    def add(row: Row | None) -> None:
+        """A row, logged and written at once (a run of hours is not lost to an interruption)."""
+        rows.append(row)
+        log(row, rows[0])
+        write_results(args.output, {**summary, **_totals(rows, pareto)}, quiet=True)
+
+    pareto = "W4 g64" if 64 in groups else f"W4 g{groups[0]}"  # the equal-size comparison
+    add(row_of("baseline", "baseline", 16.0, _mb(model), score(model, ids, args.eval_tokens)))
     with tempfile.TemporaryDirectory(prefix="qserve-autoquant-") as tmp:
         measured = dict(measure_samples=args.measure_samples) if args.measure_samples else {}
         auto = QuantizeSettings(method="auto", max_ppl_increase="1%", **common, **measured)
         # the measurement records its own time (when read back from the cache, that of the
         # run that made it); the auto rows read it from the cache
-        measure_seconds = measure(model, auto, auto_cache_dir()).seconds
+        summary["measure_seconds"] = measure(model, auto, auto_cache_dir()).seconds
         jobs = uniform_and_mix(groups, config["num_hidden_layers"], common)
-        pareto = "W4 g64" if 64 in groups else f"W4 g{groups[0]}"  # the equal-size comparison
-        if args.pareto_only:
+        if args.budgets_only:
+            jobs = []
+        elif args.pareto_only:
             jobs = [job for job in jobs if job[0] == pareto]
         for name, kind, settings in jobs:
-            rows.append(quantized_row(model, name, kind, settings, Path(tmp), args, ids))
-            log(rows[-1], base)
+            add(quantized_row(model, name, kind, settings, Path(tmp), args, ids))
         for target in [r for r in rows if r is not None and r.name in (pareto, "llama.cpp mix")]:
             bits = target.bits_per_weight
             settings = QuantizeSettings(method="auto", target_bits=bits, **common, **measured)
-            rows.append(
-                quantized_row(model, f"auto @{target.name}", "auto", settings, Path(tmp), args, ids)
-            )
-            log(rows[-1], base)
+            name = f"auto @{target.name}"
+            add(quantized_row(model, name, "auto", settings, Path(tmp), args, ids))
         for b in [] if args.pareto_only else args.budgets:
             settings = QuantizeSettings(
                 method="auto", max_ppl_increase=f"{b}%", **common, **measured
             )
-            rows.append(
-                quantized_row(model, f"auto {b:g}%", "auto", settings, Path(tmp), args, ids)
-            )
-            log(rows[-1], base)
+            add(quantized_row(model, f"auto {b:g}%", "auto", settings, Path(tmp), args, ids))
+    return {**summary, **_totals(rows, pareto)}
+
+
+def _totals(rows: list[Row | None], pareto: str) -> dict[str, Any]:
+    """The rows made so far, and the time of one GPTQ quantization (the equal-size uniform's)."""
     w4 = next((r for r in rows if r is not None and r.name == pareto), None)
     return {
-        "model": args.model,
-        "args": run_arguments(args),
-        "measure_seconds": measure_seconds,
         "gptq_seconds": w4.quant_seconds if w4 else None,
         "rows": [dataclasses.asdict(r) for r in rows if r is not None],
     }
@@ -261,13 +269,13 @@ def uniform_and_mix(groups: list[int], num_layers: int, common: dict) -> list[tu
     return jobs
 
 
-def log(row: Row | None, base: dict[str, float]) -> None:
-    """A line per row on stderr (the JSON is written at the end)."""
-    if row is None:
+def log(row: Row | None, base: Row | None) -> None:
+    """A line per row on stderr."""
+    if row is None or base is None:
         return
     print(
         f"  {row.name}: {row.bits_per_weight:.3f} bits, held-out {row.heldout:.3f} "
-        f"({100 * (row.heldout / base['heldout'] - 1):+.2f}%)",
+        f"({100 * (row.heldout / base.heldout - 1):+.2f}%)",
         file=sys.stderr,
         flush=True,
     )
@@ -278,20 +286,22 @@ def format_table(summary: dict[str, Any]) -> str:
     base_h, base_i = rows[0]["heldout"], rows[0]["in_domain"]
     head = (
         f"{'checkpoint':<18}{'bits/w':>8}{'MB':>8}{'held-out':>10}{'vs base':>9}"
-        f"{'predicted':>10}{'budget':>8}{'in-domain':>11}{'vs base':>9}{'quant s':>9}"
+        f"{'predicted':>10}{'budget':>8}{'bound':>8}{'in-domain':>11}{'vs base':>9}{'quant s':>9}"
     )
     lines = [head, "-" * len(head)]
     for r in rows:
         pred = "-" if r["predicted_increase"] is None else f"{100 * r['predicted_increase']:+.2f}%"
         bud = "-" if r["budget"] is None else f"{100 * r['budget']:g}%"
         quant = "-" if r["quant_seconds"] is None else f"{r['quant_seconds']:.0f}"
+        bound = "-" if r.get("verified_bound") is None else f"{100 * r['verified_bound']:+.2f}%"
         lines.append(
             f"{r['name']:<18}{r['bits_per_weight']:>8.3f}{r['size_mb']:>8.1f}"
             f"{r['heldout']:>10.3f}{100 * (r['heldout'] / base_h - 1):>+8.2f}%{pred:>10}{bud:>8}"
+            f"{bound:>8}"
             f"{r['in_domain']:>11.3f}{100 * (r['in_domain'] / base_i - 1):>+8.2f}%{quant:>9}"
         )
     lines += paired_lines(rows)
-    if summary["gptq_seconds"]:
+    if summary.get("gptq_seconds") and summary.get("measure_seconds"):
         ratio = summary["measure_seconds"] / summary["gptq_seconds"]
         lines.append(
             f"measurement pass {summary['measure_seconds']:.0f} s, one GPTQ quantization "
@@ -366,6 +376,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="only the equal-size comparison: baseline, uniform W4 g64 (the coarsest W4 where 64 "
         "does not divide the linears), auto at its size",
     )
+    p.add_argument(
+        "--budgets-only",
+        action="store_true",
+        help="only the baseline and the auto budget rows (what a change to the verification "
+        "moves: the uniform and equal-size rows do not depend on it)",
+    )
     p.add_argument("--output", type=Path, default=RESULTS / "autoquant.json")
     p.add_argument("--chart", type=Path, default=RESULTS / "autoquant.png")
     p.add_argument("--no-chart", action="store_true", help="no PNG (needs no matplotlib)")
@@ -378,6 +394,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if min(counts) < 1 or (args.measure_samples is not None and args.measure_samples < 1):
         p.error("--num-samples, --measure-samples, --eval-tokens, --num-threads must be positive "
                 "and --seq-len at least 2")  # fmt: skip
+    if args.pareto_only and args.budgets_only:
+        p.error("--pareto-only and --budgets-only are each other's complement: give one")
     if any(b <= 0 for b in args.budgets):
         p.error("--budgets must be positive percentages")
     return args

@@ -9,11 +9,13 @@ from pathlib import Path
 from typing import Any
 
 
-def write_results(path: Path, payload: Any) -> None:
-    """`payload` as indented JSON at `path` (its folder made if missing), then a line saying so."""
+def write_results(path: Path, payload: Any, quiet: bool = False) -> None:
+    """`payload` as indented JSON at `path` (its folder made if missing), then a line saying so
+    (none when `quiet`: a benchmark that writes after every row)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(payload, indent=2, default=str) + "\n")
-    print(f"wrote {path}")
+    if not quiet:
+        print(f"wrote {path}")
 
 
 def run_arguments(args: argparse.Namespace) -> dict[str, Any]:

@@ -57,10 +57,14 @@ __all__ = [
     "SAFETY",
     "C",
     "start_c",
+    "CONFIDENCE",
+    "upper_bound",
+    "t_quantile",
 ]
 
 DENSE = Scheme(16)
 SAFETY = 1.1  # a re-fitted c is raised by this much, so a retry does not land just over again
+CONFIDENCE = 0.95  # a budget is met when the one-sided upper bound at this confidence is in it
 W4_GROUPS = (128, 64, 32)
 
 
@@ -277,7 +281,10 @@ class Goal:
         return error_budget(self.limit, c)
 
     def value(self, measured: Mapping[str, float]) -> float:
-        return measured["kl" if self.metric == "kl" else "increase"]
+        """What the budget is held to: the upper CONFIDENCE bound (`upper_bound`) of the
+        measurement, or the measurement itself where it has none."""
+        key = "kl" if self.metric == "kl" else "increase"
+        return measured.get(f"{key}_bound", measured[key])
 
     def met(self, measured: Mapping[str, float]) -> bool:
         return self.value(measured) <= self.limit
@@ -297,3 +304,32 @@ class Goal:
 def predicted(error: float, c: C) -> dict[str, float]:
     """Predicted held-out perplexity increase and KL of a summed unit error."""
     return {"increase": predicted_increase(error, c["ppl"]), "kl": c["kl"] * error}
+
+
+# ------------------------------------------------------------------------ the bound
+
+
+def upper_bound(samples: Sequence[float], confidence: float = CONFIDENCE) -> tuple[float, float]:
+    """(mean, one-sided upper `confidence` bound of the mean) of per-window samples, by
+    Student's t with the windows as samples (inf with fewer than 2). A checkpoint verified on
+    32 windows of the held-out text is held to this bound, not to its mean, so that it meets its
+    budget on windows it was not verified on too: on Gemma-3-270M, +4.79% on the first 16384
+    tokens was +5.23% on the next 16384 (se of the mean 0.29 points)."""
+    n = len(samples)
+    mean = sum(samples) / n
+    if n < 2:
+        return mean, math.inf
+    var = sum((x - mean) ** 2 for x in samples) / (n - 1)
+    return mean, mean + t_quantile(confidence, n - 1) * math.sqrt(var / n)
+
+
+def t_quantile(p: float, dof: int) -> float:
+    """Student's t quantile (Cornish-Fisher expansion about the normal's; at p = 0.95 within
+    0.3% of the exact value for dof >= 3, 1.2% at 2)."""
+    from statistics import NormalDist
+
+    z = NormalDist().inv_cdf(p)
+    g1 = (z**3 + z) / 4
+    g2 = (5 * z**5 + 16 * z**3 + 3 * z) / 96
+    g3 = (3 * z**7 + 19 * z**5 + 17 * z**3 - 15 * z) / 384
+    return z + g1 / dof + g2 / dof**2 + g3 / dof**3

@@ -1,5 +1,5 @@
 """The measured side of `--max-kl`: the mean KL(p_float || p_quantized) per token of the
-next-token distributions on held-out text.
+next-token distributions on held-out text, per window.
 
 Both models run in qserve's own model code in fp32 (the quantized one on its kernels, as it
 serves), one window at a time as a single prefill over a private paged KV cache; the engine is
@@ -7,7 +7,9 @@ not used because it returns only the sampled tokens' logprobs, not whole distrib
 window starts as the tokenizer starts a text (`prefix`) and every position that predicts a token
 of the window counts:
 
-    KL = sum over windows and positions t < T - 1 of sum_v p(v | x[..t]) (log p - log q) / count
+    KL_w = sum over positions t < T - 1 of sum_v p(v | x[..t]) (log p - log q) / (T - 1)
+
+per window w (the verification holds a budget to a bound over the windows' KLs).
 
 Logits are turned into log-probabilities LOGITS_CHUNK rows at a time, so the peak is two
 [chunk, vocab] fp32 blocks, not two [window, vocab] ones. Both models are in memory together.
@@ -40,26 +42,28 @@ def heldout_kl(
     window: int,
     max_tokens: int,
     prefix: Sequence[int] = (),
-) -> tuple[float, int]:
-    """(mean KL per token, positions counted) of the quantized checkpoint against the float
-    model on the text `ids`, in windows of `window` tokens (prefix included)."""
+) -> list[float]:
+    """The mean KL per position of the quantized checkpoint against the float model in each
+    window of `window` tokens (prefix included) over the text `ids`: every window counts as many
+    positions, so the text's mean KL is the mean of these."""
     from qserve.eval import windows  # the application's modules, imported when run
     from qserve.model.loader import load_model
 
     models = [load_model(folder, torch.float32) for folder in (float_folder, quant_folder)]
     try:
-        total, count = 0.0, 0
+        kls = []
         for chunk in windows(list(ids), window - len(prefix), max_tokens):
             tokens = [*prefix, *chunk]
             (p_model, _), (q_model, _) = models
             p_hidden, q_hidden = (window_hidden(m, c, tokens) for m, c in models)
+            total = 0.0
             for start in range(0, len(tokens) - 1, LOGITS_CHUNK):
                 rows = slice(start, min(start + LOGITS_CHUNK, len(tokens) - 1))
                 log_p = torch.log_softmax(p_model.compute_logits(p_hidden[rows]), dim=-1)
                 log_q = torch.log_softmax(q_model.compute_logits(q_hidden[rows]), dim=-1)
                 total += float((log_p.exp() * (log_p - log_q)).sum())
-                count += rows.stop - rows.start
-        return total / count, count
+            kls.append(total / (len(tokens) - 1))
+        return kls
     finally:
         del models
         gc.collect()

@@ -10,7 +10,10 @@
     4. verify     perplexity of the quantized checkpoint and the float model on the held-out
                   text (`qserve.data.heldout_text`, a kind of text no calibration source is),
                   through the engine in fp32; for --max-kl also the KL of their next-token
-                  distributions there (`kl.heldout_kl`)
+                  distributions there (`kl.heldout_kl`). Both per window of the text: the
+                  budget is met when the upper 95% bound of the mean over the windows is in
+                  it (`budget.upper_bound`), not the mean alone, so that it holds on text
+                  beyond the verified windows too
     5. retry      c (`Goal.refit`) is re-fitted to what was measured and the allocation
                   re-solved: over budget, only upgrading units; within it, for fewer bytes
                   (a budget met with room to spare is not the smallest checkpoint); at most
@@ -36,7 +39,8 @@ from qserve.errors import QServeError
 from qserve.quantize import output_dir as output_rules
 from qserve.quantize.auto import budget
 from qserve.quantize.auto.budget import Allocation, Unit
-from qserve.quantize.auto.measure import VERIFY_TOKENS, Measurement, heldout_tokens, measure
+from qserve.quantize.auto.measure import Measurement, measure
+from qserve.quantize.auto.verify import VERIFY_TOKENS, HeldOut
 from qserve.quantize.dynamic import DynamicRule, Scheme
 from qserve.quantize.settings import QuantizeSettings
 
@@ -84,7 +88,7 @@ def quantize_auto(
     m, allocation = plan_auto(model_path, settings, cache_dir, progress)
     goal = budget.Goal.of(settings)
     c, measured = start_c(m), {"increase": math.inf}
-    scorer = _HeldOut(model_path)
+    scorer = HeldOut(model_path)
     attempts: list[dict[str, Any]] = []
     best: _Met | None = None
     with output_rules.staging_dir(output_dir, overwrite, model_path) as stage:
@@ -112,8 +116,9 @@ def quantize_auto(
             assert goal is not None
             raise QServeError(
                 f"auto: no checkpoint met {goal.describe(goal.limit)} in {len(attempts)} "
-                f"attempts (the last measured {goal.describe(goal.value(measured))}); nothing "
-                "written", goal.param,
+                f"attempts (the last measured {goal.describe(goal.value(measured))} at the upper "
+                f"{100 * budget.CONFIDENCE:g}% bound over the held-out windows); nothing written",
+                goal.param,
             )  # fmt: skip
         record = _record(settings, m, best.allocation, best.c, best.measured, attempts, scorer)
         _write_record(best.folder, provenance, record)
@@ -227,65 +232,6 @@ def _exact(names: list[str]) -> str:
     return "(?:" + "|".join(n.replace(".", r"\.") for n in names) + ")$"
 
 
-class _HeldOut:
-    """Perplexity on the held-out text through the engine (fp32), the float model's once."""
-
-    def __init__(self, model_path: Path) -> None:
-        self.model_path = model_path
-        self._base: float | None = None
-        self.base_tokens = 0
-
-    @property
-    def base(self) -> float:
-        if self._base is None:
-            self._base, self.base_tokens = _heldout_perplexity(self.model_path)
-        return self._base
-
-    def increase(self, folder: Path) -> float:
-        return _heldout_perplexity(folder)[0] / self.base - 1
-
-    def measure(self, folder: Path, with_kl: bool = False) -> dict[str, float]:
-        """{"increase": perplexity increase} and, `with_kl`, {"kl": mean KL per token}."""
-        measured = {"increase": self.increase(folder)}
-        if with_kl:
-            measured["kl"] = _heldout_kl(self.model_path, folder)
-        return measured
-
-
-def _heldout_ids(folder: Path) -> tuple[list[int], list[int], int]:
-    """(held-out token ids, the tokens a text starts with, window) for the model at `folder`."""
-    from qserve.model.config import ModelConfig
-    from qserve.model.loader import load_tokenizer
-
-    max_len = ModelConfig.from_pretrained(folder).max_position_embeddings
-    return heldout_tokens(load_tokenizer(folder), max_len)
-
-
-def _heldout_perplexity(folder: Path) -> tuple[float, int]:
-    import gc
-
-    from qserve.config import EngineConfig
-    from qserve.engine.llm_engine import LLMEngine
-    from qserve.eval import perplexity
-
-    ids, prefix, window = _heldout_ids(folder)
-    engine = LLMEngine(EngineConfig(str(folder), dtype="float32", kv_cache_memory="64MiB"))
-    try:
-        window = min(window, engine.max_model_len - 1)  # room for one output token
-        result = perplexity(engine, ids, window, VERIFY_TOKENS, prefix)
-        return result.perplexity, result.num_tokens
-    finally:
-        del engine
-        gc.collect()
-
-
-def _heldout_kl(model_path: Path, folder: Path) -> float:
-    from qserve.quantize.auto.kl import heldout_kl
-
-    ids, prefix, window = _heldout_ids(folder)
-    return heldout_kl(model_path, folder, ids, window, VERIFY_TOKENS, prefix)[0]
-
-
 # ------------------------------------------------------------------------------ reporting
 
 
@@ -313,7 +259,11 @@ def _summary(
     if measured is None:
         return text
     text += f"; measured perplexity {100 * measured['increase']:+.3f}%"
-    return text + (f", KL {measured['kl']:.4g}" if "kl" in measured else "")
+    if "increase_bound" in measured:
+        text += f" (bound {100 * measured['increase_bound']:+.3f}%)"
+    if "kl" in measured:
+        text += f", KL {measured['kl']:.4g}"
+    return text + (f" (bound {measured['kl_bound']:.4g})" if "kl_bound" in measured else "")
 
 
 def _attempt_record(
@@ -329,7 +279,9 @@ def _attempt_record(
         "predicted_increase": predicted["increase"],
         "predicted_kl": predicted["kl"],
         "measured_increase": measured["increase"],
+        "measured_increase_bound": measured.get("increase_bound"),
         "measured_kl": measured.get("kl"),
+        "measured_kl_bound": measured.get("kl_bound"),
         "c": c,
     }
 
@@ -341,7 +293,7 @@ def _record(
     c: budget.C,
     measured: Mapping[str, float],
     attempts: list[dict[str, Any]],
-    scorer: _HeldOut,
+    scorer: HeldOut,
 ) -> dict[str, Any]:
     goal = budget.Goal.of(settings)
     return {
@@ -353,7 +305,9 @@ def _record(
         "met": goal is None or goal.met(measured),
         "measured": {
             "text": "qserve.data.heldout_text (State of the Union 2010-2020)",
-            "tokens": scorer.base_tokens,
+            "tokens": scorer.tokens,
+            "windows": len(scorer.base_windows),
+            "confidence": budget.CONFIDENCE,
             "base_perplexity": scorer.base,
             **measured,
         },

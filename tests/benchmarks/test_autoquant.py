@@ -49,7 +49,7 @@ def test_pareto_only_compares_auto_with_uniform_at_its_size(
 @pytest.mark.parametrize(
     "argv",
     [["--budgets", "1,x"], ["--budgets", "-1"], ["--measure-samples", "0"], ["--seq-len", "1"],
-     ["--eval-tokens", "0"]],
+     ["--eval-tokens", "0"], ["--pareto-only", "--budgets-only"]],
 )  # fmt: skip
 def test_bad_options_are_usage_errors(argv: list[str], capsys) -> None:
     with pytest.raises(SystemExit) as info:

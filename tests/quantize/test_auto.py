@@ -14,7 +14,7 @@ from click.testing import CliRunner
 
 from qserve.cli import cli
 from qserve.errors import QServeError
-from qserve.quantize.auto import budget, run
+from qserve.quantize.auto import budget, run, verify
 from qserve.quantize.auto import measure as measure_module
 from qserve.quantize.auto.budget import Unit, candidate_schemes, linear_bytes, reference_scheme
 from qserve.quantize.auto.measure import measure
@@ -263,7 +263,7 @@ def test_auto_meets_its_budget_on_held_out_text(
     assert qc["quant_method"] == "gptq"
     assert bool(qc.get("dynamic")) == (len(schemes) > 1)  # a mix: dynamic rules
     # what was verified is what the engine serves: score it again
-    scorer = run._HeldOut(tiny_llama)
+    scorer = verify.HeldOut(tiny_llama)
     assert scorer.increase(out) == pytest.approx(record["measured"]["increase"], abs=1e-9)
     dry = CliRunner().invoke(cli, [*auto_args(tiny_llama, args), "--dry-run"])
     assert dry.exit_code == 0 and "predicted perplexity" in dry.output
@@ -282,7 +282,7 @@ def test_auto_writes_its_mix_as_compressed_tensors(
     assert len(schemes) > 1 and len(qc["config_groups"]) == len(schemes)  # a group per scheme
     bits = {g["weights"]["num_bits"] for g in qc["config_groups"].values()}
     assert bits == {int(s[1]) for s in schemes}
-    scorer = run._HeldOut(tiny_llama)  # the engine serves what was verified
+    scorer = verify.HeldOut(tiny_llama)  # the engine serves what was verified
     assert scorer.increase(out) == pytest.approx(record["measured"]["increase"], abs=1e-9)
 
 
@@ -291,7 +291,7 @@ def test_auto_writes_nothing_when_no_attempt_meets_the_budget(
 ) -> None:
     monkeypatch.setenv("QSERVE_CACHE_DIR", str(tmp_path / "cache"))  # not the user's cache
     monkeypatch.setattr(run, "MAX_ATTEMPTS", 2)
-    monkeypatch.setattr(run._HeldOut, "increase", lambda self, folder: 0.012)  # always +1.2%
+    monkeypatch.setattr(verify.HeldOut, "measure", measured_as([0.012] * 2))  # always +1.2%
     settings = QuantizeSettings(max_ppl_increase="1%", **SETTINGS)
     from qserve.quantize.driver import quantize_model
 
@@ -301,14 +301,54 @@ def test_auto_writes_nothing_when_no_attempt_meets_the_budget(
     assert not out.exists() and not list(tmp_path.glob(".never*"))
 
 
+def measured_as(increases: list[float], margin: float = 0.0):
+    """A stand-in for `HeldOut.measure` that measures `increases` in turn, each bound `margin`
+    above."""
+    values = iter(increases)
+
+    def measure(self, folder: Path, with_kl: bool = False) -> dict[str, float]:
+        value = next(values)
+        return {"increase": value, "increase_bound": value + margin}
+
+    return measure
+
+
+def test_a_budget_is_held_to_the_bound_not_the_mean(
+    tiny_llama: Path, tmp_path: Path, monkeypatch
+) -> None:
+    """+0.8% against 1%, but +1.1% at the bound: not met, and the retry is re-fitted to the
+    bound (more bytes)."""
+    monkeypatch.setenv("QSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(run, "MAX_ATTEMPTS", 2)
+    monkeypatch.setattr(verify.HeldOut, "measure", measured_as([0.008, 0.004], margin=0.003))
+    out = tmp_path / "bound"
+    record = run_auto(tiny_llama, out, ["--max-ppl-increase", "1%"], monkeypatch)
+    first, second = record["attempts"]
+    assert first["measured_increase_bound"] == pytest.approx(0.011)
+    assert second["bytes"] > first["bytes"] and record["met"]
+    assert record["measured"]["increase"] == 0.004 and record["measured"]["confidence"] == 0.95
+
+
+def test_upper_bound_is_students_t() -> None:
+    samples = [0.01, 0.03, 0.02, 0.05, 0.0, 0.04]
+    mean, upper = budget.upper_bound(samples)
+    sd = (sum((x - 0.025) ** 2 for x in samples) / 5) ** 0.5
+    assert mean == pytest.approx(0.025)
+    assert upper == pytest.approx(0.025 + 2.015 * sd / 6**0.5, rel=1e-3)  # t(0.95, 5) = 2.015
+    assert budget.upper_bound([0.02] * 8) == (pytest.approx(0.02), pytest.approx(0.02))
+    assert budget.upper_bound([0.02])[1] == float("inf")  # one window bounds nothing
+    assert budget.t_quantile(0.95, 31) == pytest.approx(1.6955, rel=1e-4)
+    assert budget.t_quantile(0.95, 10**6) == pytest.approx(1.6449, rel=1e-4)
+
+
 @pytest.mark.parametrize("second, written", [(0.0004, 2), (0.002, 1)])
 def test_auto_met_with_room_to_spare_tries_smaller(
     tiny_llama: Path, tmp_path: Path, monkeypatch, second: float, written: int
 ) -> None:
     """+0.01% against a 0.05% budget: a second, smaller attempt under the re-fitted prediction;
     written is the smaller one when it meets the budget too, else the first."""
-    measured = iter([0.0001, second, 0.002])  # a third attempt, if any, misses
-    monkeypatch.setattr(run._HeldOut, "increase", lambda self, folder: next(measured))
+    measured = [0.0001, second, 0.002]  # a third attempt, if any, misses
+    monkeypatch.setattr(verify.HeldOut, "measure", measured_as(measured))
     out = tmp_path / "shrunk"
     record = run_auto(tiny_llama, out, ["--max-ppl-increase", "0.05%"], monkeypatch)
     first, smaller = record["attempts"][:2]

@@ -9,7 +9,8 @@ auto` at several budgets, beside uniform schemes and a llama.cpp-style mix, in o
 Rows, each a GPTQ checkpoint written by `quantize_model` (qserve's GPTQ defaults: GPTAQ, mse,
 `--calib generated`, `--num-samples` x `--seq-len` tokens):
 
-    uniform      W4 at every group size that divides the model's linears, W8 per channel
+    uniform      W4 at every group size that divides the model's linears, W8 per channel,
+                 W3 at the coarsest of them (a candidate of auto's, GPTQ format only)
     llama.cpp    Q4_K_M's rule at our schemes: attention q/k/v (llama.cpp: attn_v) and
                  down_proj at W8 in the layers llama.cpp gives more bits (the first and last
                  eighth, and every third between), W4 g64 elsewhere
@@ -264,6 +265,8 @@ def uniform_and_mix(groups: list[int], num_layers: int, common: dict) -> list[tu
         (f"W4 g{g}", "uniform", QuantizeSettings(bits=4, group_size=g, **common)) for g in groups
     ]
     jobs.append(("W8", "uniform", QuantizeSettings(bits=8, group_size=-1, **common)))
+    w3 = QuantizeSettings(bits=3, group_size=groups[0], **common)
+    jobs.append((f"W3 g{groups[0]}", "uniform", w3))
     mix = QuantizeSettings(group_size=64, dynamic=heuristic_rules(num_layers), **common)
     jobs.append(("llama.cpp mix", "heuristic", mix))
     return jobs

@@ -160,12 +160,19 @@ def w4_from_codes(
 
 
 def w4_from_gptq(
-    qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor
+    qweight: torch.Tensor,
+    qzeros: torch.Tensor,
+    scales: torch.Tensor,
+    g_idx: torch.Tensor,
+    bits: int = 4,
 ) -> W4PackedCPU:
-    """4-bit GPTQ tensors (see `packing`; g_idx int [K], act-order allowed when every group
-    has the same size) -> the kernel's layout. Raises ValueError if unsupported."""
-    q = unpack_gptq_qweight(qweight, 4)  # [K, N]
-    zeros = unpack_gptq_qzeros(qzeros, 4)  # [G, N], 1 added back
+    """4-bit (or 3-bit: its codes are 4-bit codes too) GPTQ tensors (see `packing`; g_idx int
+    [K], act-order allowed when every group has the same size) -> the kernel's layout. Raises
+    ValueError if unsupported."""
+    if bits not in (3, 4):
+        raise ValueError(f"the W4A16 kernel takes 3- and 4-bit codes, got {bits}-bit")
+    q = unpack_gptq_qweight(qweight, bits)  # [K, N]
+    zeros = unpack_gptq_qzeros(qzeros, bits)  # [G, N], 1 added back
     K = q.shape[0]
     g_idx = g_idx.to(torch.int64)
     group_size = K // scales.shape[0]

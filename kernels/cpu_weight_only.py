@@ -98,10 +98,14 @@ def int4pack_from_gptq(
     scales: torch.Tensor,
     g_idx: torch.Tensor,
     dtype: torch.dtype = torch.bfloat16,
+    bits: int = 4,
 ) -> Int4PackedCPU:
-    """4-bit GPTQ tensors (see `packing`) -> torch int4pack. Raises ValueError if unsupported."""
-    q = unpack_gptq_qweight(qweight, 4)  # [K, N]
-    zeros = unpack_gptq_qzeros(qzeros, 4)  # [G, N], 1 added back
+    """4-bit (or 3-bit: its codes are 4-bit codes too) GPTQ tensors (see `packing`) -> torch
+    int4pack. Raises ValueError if unsupported."""
+    if bits not in (3, 4):
+        raise ValueError(f"torch's int4 kernel takes 3- and 4-bit codes, got {bits}-bit")
+    q = unpack_gptq_qweight(qweight, bits)  # [K, N]
+    zeros = unpack_gptq_qzeros(qzeros, bits)  # [G, N], 1 added back
     K = q.shape[0]
     g_idx = g_idx.to(torch.long)
     group_size = int(torch.bincount(g_idx).max())

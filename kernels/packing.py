@@ -3,7 +3,7 @@
 The exporters in `qserve.quantize` and the kernels both call these functions, so the two cannot
 disagree. K = in_features, N = out_features, G = number of groups. Integer tensors in, int32 out.
 
-GPTQ (AutoGPTQ / GPTQModel "gptq" v1 format), `bits` in {4, 8}, P = 32 // bits values per word::
+GPTQ (AutoGPTQ / GPTQModel "gptq" v1 format), `bits` in {3, 4, 8}, P = 32 // bits values per word::
 
     qweight int32 [K // P, N]   packed along the input dim (rows):
         qweight[r, n] bits (b*j .. b*j+b-1)  =  q[P*r + j, n]          j = 0 .. P-1
@@ -15,6 +15,12 @@ GPTQ (AutoGPTQ / GPTQModel "gptq" v1 format), `bits` in {4, 8}, P = 32 // bits v
         and stores zero - 1 (the v1 quirk; readers add 1 back). Symmetric 4 bit: zero 8 is
         stored as 7, so every word is 0x77777777. Zeros must lie in [1, 2**bits]: a zero of 0
         would be stored as -1 and cannot be represented.
+
+    3 bit (AutoGPTQ's and GPTQModel's layout, read by vLLM's GPTQ kernels): 3 bits do not
+    divide a word, so each run of 32 values fills 3 words as one 96-bit little-endian stream,
+    value j at stream bits 3j .. 3j+2 (value 10 straddles words 0 and 1, value 21 words 1 and
+    2); the packed dim must be a multiple of 32. For 4 and 8 bits this stream is the layout
+    above (`pack_block`: the values and words of one run).
 
 AWQ (AutoAWQ "gemm" version), 4 bit only::
 
@@ -51,6 +57,8 @@ __all__ = [
     "AWQ_ORDER",
     "AWQ_REVERSE_ORDER",
     "pack_factor",
+    "pack_block",
+    "GPTQ_BITS",
     "pack_gptq_qweight",
     "unpack_gptq_qweight",
     "pack_gptq_qzeros",
@@ -70,11 +78,22 @@ __all__ = [
 ]
 
 
+GPTQ_BITS = (3, 4, 8)  # what the GPTQ layout is written and read at here
+
+
 def pack_factor(bits: int) -> int:
-    """Values per int32 word (32 // bits); raises for unsupported bits."""
+    """Values per int32 word (32 // bits) of the word-aligned layouts; raises for other bits."""
     if bits not in (4, 8):
         raise ValueError(f"bits must be 4 or 8, got {bits}")
     return 32 // bits
+
+
+def pack_block(bits: int) -> tuple[int, int]:
+    """(values, words): the shortest run of GPTQ values that fills whole int32 words (4 bit:
+    (8, 1); 3 bit: (32, 3)). A packed dim is cut only at whole runs."""
+    if bits not in GPTQ_BITS:
+        raise ValueError(f"GPTQ bits must be one of {GPTQ_BITS}, got {bits}")
+    return (32, bits) if 32 % bits else (32 // bits, 1)
 
 
 def _check_range(q: torch.Tensor, lo: int, hi: int, what: str) -> None:
@@ -124,28 +143,71 @@ def _unpack_last(
 
 def pack_gptq_qweight(q: torch.Tensor, bits: int) -> torch.Tensor:
     """Pack integer weights q [K, N] in [0, 2**bits) into GPTQ qweight int32 [K*bits/32, N]."""
-    pack_factor(bits)
     _check_range(q, 0, (1 << bits) - 1, "q")
-    return _pack_last(q.t(), bits).t().contiguous()
+    return _gptq_pack(q.t(), bits).t().contiguous()
 
 
 def unpack_gptq_qweight(qweight: torch.Tensor, bits: int) -> torch.Tensor:
     """GPTQ qweight int32 [K*bits/32, N] -> q int32 [K, N]."""
-    pack_factor(bits)
-    return _unpack_last(qweight.t(), bits).t().contiguous()
+    return _gptq_unpack(qweight.t(), bits).t().contiguous()
 
 
 def pack_gptq_qzeros(zeros: torch.Tensor, bits: int) -> torch.Tensor:
     """Pack zero points [G, N] in [1, 2**bits] into GPTQ qzeros int32 [G, N*bits/32] (zero - 1)."""
-    pack_factor(bits)
     _check_range(zeros, 1, 1 << bits, "GPTQ v1 zeros (stored as zero - 1)")
-    return _pack_last(zeros.to(torch.int64) - 1, bits)
+    return _gptq_pack(zeros.to(torch.int64) - 1, bits)
 
 
 def unpack_gptq_qzeros(qzeros: torch.Tensor, bits: int) -> torch.Tensor:
     """GPTQ qzeros int32 [G, N*bits/32] -> zero points int32 [G, N] (adds the 1 back)."""
-    pack_factor(bits)
-    return _unpack_last(qzeros, bits) + 1
+    return _gptq_unpack(qzeros, bits) + 1
+
+
+def _gptq_pack(q: torch.Tensor, bits: int) -> torch.Tensor:
+    values, words = pack_block(bits)
+    return _pack_last(q, bits) if words == 1 else _pack_stream(q, bits)
+
+
+def _gptq_unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    values, words = pack_block(bits)
+    return _unpack_last(packed, bits) if words == 1 else _unpack_stream(packed, bits)
+
+
+def _stream_fields(bits: int) -> list[tuple[int, int, int]]:
+    """(value j, word, shift) of each of a 32-value run's values in its `bits`-word stream."""
+    return [(j, *divmod(bits * j, 32)) for j in range(32)]
+
+
+def _pack_stream(q: torch.Tensor, bits: int) -> torch.Tensor:
+    """Pack [..., C] (C a multiple of 32) into int32 [..., C * bits / 32]: each run of 32
+    values one little-endian stream of `bits` words (a value may straddle two)."""
+    if q.shape[-1] % 32:
+        raise ValueError(f"dim of size {q.shape[-1]} is not a multiple of 32")
+    q = q.to(torch.int64).reshape(*q.shape[:-1], q.shape[-1] // 32, 32)
+    out = torch.zeros(*q.shape[:-1], bits, dtype=torch.int64, device=q.device)
+    for j, word, shift in _stream_fields(bits):
+        out[..., word] |= (q[..., j] << shift) & 0xFFFFFFFF
+        if shift + bits > 32:  # the high bits spill into the next word
+            out[..., word + 1] |= q[..., j] >> (32 - shift)
+    return _to_int32(out.reshape(*out.shape[:-2], -1))
+
+
+def _unpack_stream(words: torch.Tensor, bits: int) -> torch.Tensor:
+    """Inverse of `_pack_stream`: int32 [..., W] -> int32 [..., W * 32 / bits]."""
+    if words.dtype != torch.int32:
+        raise TypeError(f"packed tensors must be int32, got {words.dtype}")
+    if words.shape[-1] % bits:
+        raise ValueError(f"packed dim of size {words.shape[-1]} is not a multiple of {bits}")
+    w = (words.to(torch.int64) & 0xFFFFFFFF).reshape(*words.shape[:-1], -1, bits)
+    mask = (1 << bits) - 1
+    fields = []
+    for _, word, shift in _stream_fields(bits):
+        v = w[..., word] >> shift
+        if shift + bits > 32:
+            v = v | (w[..., word + 1] << (32 - shift))
+        fields.append(v & mask)
+    out = torch.stack(fields, dim=-1)  # [..., W / bits, 32]
+    return out.reshape(*words.shape[:-1], -1).to(torch.int32)
 
 
 def gptq_group_size(in_features: int, num_groups: int) -> int:

@@ -4,7 +4,8 @@ checkpoint that vLLM and GPTQModel load, and that `--method auto` writes.
 A rule is a string, so that it is a repeatable flag and a YAML list item:
 
     REGEX=w8ch      modules whose name matches REGEX: 8 bits, one group per channel
-    REGEX=w4g32     4 bits, groups of 32 (any of w4|w8 with g32|g64|g128|ch)
+    REGEX=w4g32     4 bits, groups of 32 (any of w3|w4|w8 with g32|g64|g128|ch; w3: GPTQ
+                    format only, compressed-tensors' loaders in vLLM take 4 and 8 bits)
     -:REGEX         modules whose name matches REGEX stay 16-bit (not quantized)
 
 The first rule whose REGEX matches (`re.match`, as GPTQModel and vLLM read `dynamic`) the
@@ -34,7 +35,7 @@ __all__ = [
     "scheme_for",
 ]
 
-_SCHEME = re.compile(r"w(4|8)(?:g(32|64|128)|(ch))")
+_SCHEME = re.compile(r"w(3|4|8)(?:g(32|64|128)|(ch))")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,7 +63,7 @@ class Scheme:
             return cls(16)
         m = _SCHEME.fullmatch(text)
         if m is None:
-            expected = "w4|w8 with g32|g64|g128|ch, or bf16"
+            expected = "w3|w4|w8 with g32|g64|g128|ch, or bf16"
             raise ValueError(f"unknown scheme {text!r}: expected {expected}")
         return cls(int(m.group(1)), -1 if m.group(3) else int(m.group(2)))
 

@@ -72,7 +72,8 @@ METHOD_DEFAULTS: dict[str, dict[str, Any]] = {
 CALIB_DEFAULTS = {"gptq": "generated", "auto": "generated", "awq": "moby-dick",
                   "int8": "moby-dick", "fp8": "moby-dick"}  # fmt: skip
 AUTO_BUDGETS = ("max_ppl_increase", "max_kl", "target_bits")  # auto takes exactly one
-METHOD_BITS = {"rtn": (4, 8), "gptq": (4, 8), "awq": (4,), "int8": (8,), "fp8": (8,), "auto": ()}
+METHOD_BITS = {"rtn": (3, 4, 8), "gptq": (3, 4, 8), "awq": (4,), "int8": (8,), "fp8": (8,),
+               "auto": ()}  # fmt: skip
 GPTQ_DAMP = 0.01  # what a GPTQ-format config records as damp_percent when no Hessian was damped
 
 
@@ -87,7 +88,9 @@ class QuantizeSettings:
         "smallest mixed GPTQ checkpoint meeting --max-ppl-increase (or --target-bits).",
         flag="-m,--method",
     )
-    bits: Literal[4, 8] | None = setting(None, "4 or 8 (rtn/gptq).", default_text="4; int8/fp8: 8")
+    bits: Literal[3, 4, 8] | None = setting(
+        None, "3, 4 or 8 (rtn/gptq; 3: GPTQ format only).", default_text="4; int8/fp8: 8"
+    )
     group_size: GroupSize | None = setting(
         None,
         "rtn/gptq/awq: 32, 64, 128, -1 (per channel) or auto (the largest of 128/64/32 dividing "
@@ -205,6 +208,7 @@ class QuantizeSettings:
                 "desc_act: compressed-tensors has no g_idx; act-order there needs "
                 "--static-groups (its actorder 'weight')", "desc_act",
             )  # fmt: skip
+        self._check_format_bits()
         if self.method == "awq" and self.group_size == -1:
             raise QServeError("group_size: awq needs a group size (32, 64, 128)", "group_size")
 
@@ -221,6 +225,19 @@ class QuantizeSettings:
             raise QServeError(f"bits: {m} takes bits {allowed}, got {self.bits}", "bits")
         if m == "awq" and self.sym:
             raise QServeError("sym: only rtn, gptq use it, but method is awq (asymmetric)", "sym")
+
+    def _check_format_bits(self) -> None:
+        """3 bits is written in the GPTQ format only: compressed-tensors packs 3-bit codes 10 to
+        a word, and vLLM's compressed-tensors loaders take 4 and 8 bits."""
+        if self.format != "compressed-tensors":
+            return
+        three = [str(r) for r in self.rules if r.scheme.bits == 3]
+        if self.bits == 3 or three:
+            what = f"dynamic rule {three[0]!r}" if three else "bits 3"
+            raise QServeError(
+                f"{what}: compressed-tensors checkpoints here are 4- or 8-bit (vLLM's loaders "
+                "take no other); use --format gptq for 3 bits", "bits" if not three else "dynamic",
+            )  # fmt: skip
 
     def _check_auto(self) -> None:
         budgets = [n for n in AUTO_BUDGETS if getattr(self, n) is not None]

@@ -15,7 +15,7 @@ from qserve.parallel.shard import column_shard, row_shard
 from qserve.quantize.export import awq_tensors, gptq_tensors
 from qserve.quantize.rtn import rtn_quantize
 
-N, K, GROUP = 64, 256, 32
+N, K, GROUP = 128, 256, 32
 
 
 def _layer(fmt: str, bits: int = 4, act_order: bool = False) -> dict[str, torch.Tensor]:
@@ -58,7 +58,7 @@ def _forward(t: dict[str, torch.Tensor], fmt: str, x: torch.Tensor, bits: int = 
 
 
 CASES = [("dense", 4, False), ("w8", 8, False), ("gptq", 4, False), ("gptq", 8, False),
-         ("gptq", 4, True), ("awq", 4, False)]  # fmt: skip
+         ("gptq", 4, True), ("gptq", 3, False), ("gptq", 3, True), ("awq", 4, False)]  # fmt: skip
 
 
 @pytest.mark.parametrize("fmt, bits, act_order", CASES)
@@ -91,10 +91,14 @@ def test_shards_compute_the_whole_layer(fmt: str, bits: int, act_order: bool, wo
             "model.layers.0.mlp.down_proj: tensor parallel size 16 splits its 256 input channels "
             "into 16 per rank, not a multiple of 32 (whole groups of 32)",
         ),
-        (lambda: column_shard(_layer("awq"), "awq", 0, 16, "o"), "not a multiple of 8"),
-        (lambda: column_shard(_layer("dense"), "dense", 0, 3, "q"), "21.3333 per rank"),
+        (lambda: column_shard(_layer("awq"), "awq", 0, 32, "o"), "not a multiple of 8"),
+        (
+            lambda: column_shard(_layer("gptq", 3), "gptq", 0, 8, "q"),
+            "16 per rank, not a multiple of 32 (the 32 values packed in 3 words)",
+        ),
+        (lambda: column_shard(_layer("dense"), "dense", 0, 3, "q"), "42.6667 per rank"),
     ],
-    ids=["row-splits-a-group", "column-splits-a-word", "uneven"],
+    ids=["row-splits-a-group", "column-splits-a-word", "column-splits-a-3-bit-run", "uneven"],
 )
 def test_cuts_the_formats_cannot_hold_are_one_line_errors(call, message: str) -> None:
     with pytest.raises(QServeError, match=message.replace("(", r"\(").replace(")", r"\)")) as info:

@@ -39,14 +39,14 @@ class GPTQLinear(QuantLinear):
     ):
         super().__init__(scheme, in_features, out_features, bias)
         bits, K, N = scheme.bits, in_features, out_features
-        per_word = packing.pack_factor(bits)
+        values, words = packing.pack_block(bits)
         gs = K if scheme.group_size == -1 else scheme.group_size
         self.num_groups = -(-K // gs) if num_groups is None or not g_idx else num_groups
         self.group_size = gs
-        _check_divisible(K, per_word, "in_features", scheme)
-        _check_divisible(N, per_word, "out_features", scheme)
-        self._meta("qweight", (K // per_word, N), torch.int32)
-        self._meta("qzeros", (self.num_groups, N // per_word), torch.int32)
+        _check_divisible(K, values, "in_features", scheme)
+        _check_divisible(N, values, "out_features", scheme)
+        self._meta("qweight", (K // values * words, N), torch.int32)
+        self._meta("qzeros", (self.num_groups, N // values * words), torch.int32)
         self._meta("scales", (self.num_groups, N), torch.float16)
         if g_idx:
             self._meta("g_idx", (K,), torch.int32)
@@ -66,12 +66,15 @@ class GPTQLinear(QuantLinear):
         return torch.equal(g, torch.arange(self.in_features, device=g.device) // self.group_size)
 
     def prepare(self, dtype: torch.dtype) -> str:
-        g = self._groups()
-        if quant_linear._on_triton(self.qweight):
+        """The layer's kernel: 3-bit codes run on the 4-bit CPU kernels (a code in [0, 7] with
+        its zero is a 4-bit code); the Triton kernels take 4 and 8 bits, so a 3-bit layer on
+        GPU is dequantized once to a dense weight."""
+        g, bits = self._groups(), self.scheme.bits
+        if quant_linear._on_triton(self.qweight) and bits != 3:
             self.path = self._triton(g)
-        elif _use_cpu_w4a16(self.qweight, self.scheme.bits) and self._cpu_w4a16(g):
+        elif _use_cpu_w4a16(self.qweight, bits) and self._cpu_w4a16(g):
             self.path = "cpu-w4a16"
-        elif _use_cpu_kernel(self.qweight, dtype) and self.scheme.bits == 4:
+        elif _use_cpu_kernel(self.qweight, dtype) and bits in (3, 4):
             self.path = self._int4pack(g, dtype)
         elif _use_cpu_kernel(self.qweight, dtype) and self._fits_int8(g):
             self.path = self._int8pack(dtype)
@@ -87,7 +90,7 @@ class GPTQLinear(QuantLinear):
 
     def _cpu_w4a16(self, g: torch.Tensor) -> bool:
         try:
-            w = cpu_w4a16.w4_from_gptq(self.qweight, self.qzeros, self.scales, g)
+            w = cpu_w4a16.w4_from_gptq(self.qweight, self.qzeros, self.scales, g, self.scheme.bits)
         except ValueError as exc:  # shapes or groups the kernel does not take
             logger.debug("cpu_w4a16 rejected a GPTQ layer (%s)", exc)
             return False
@@ -99,8 +102,9 @@ class GPTQLinear(QuantLinear):
         g_fine, rows = _split_gptq_groups(g, self.group_size, self.num_groups)
         try:
             w = cpu_weight_only.int4pack_from_gptq(
-                self.qweight, self.qzeros[rows], self.scales[rows], g_fine, dtype
-            )
+                self.qweight, self.qzeros[rows], self.scales[rows], g_fine, dtype,
+                self.scheme.bits,
+            )  # fmt: skip
         except ValueError as exc:  # shapes or groups torch's kernel rejects
             logger.debug("int4pack rejected a GPTQ layer (%s): dequantizing", exc)
             return self._dense_gptq(g, dtype)

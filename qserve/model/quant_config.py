@@ -5,7 +5,7 @@ linear module name, how its weights are stored (`LinearScheme`), or that the mod
 Formats (ARCHITECTURE.md section 4):
 
     quant_method          LinearScheme.format   weights                activations
-    gptq                  gptq                  4/8-bit, groups, g_idx  16-bit
+    gptq                  gptq                  3/4/8-bit, groups, g_idx 16-bit
     awq (version gemm)    awq                   4-bit, groups, zeros    16-bit
     compressed-tensors    int8 | fp8            8-bit, channel|tensor   token|tensor|static|None
       pack-quantized      gptq (repacked)       4/8-bit, groups|channel 16-bit
@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from qserve.errors import QServeError
+from qserve.kernels.packing import GPTQ_BITS
 
 FORMATS = ("gptq", "awq", "int8", "fp8")
 # Activation quantization of W8A8 layers: dynamic per token, dynamic per tensor, static per
@@ -138,8 +139,8 @@ def _unsupported(source: str, what: str, expected: str) -> QServeError:
 
 def _parse_gptq(raw: dict[str, Any], source: str) -> QuantScheme:
     bits = raw.get("bits")
-    if bits not in (4, 8):
-        raise _unsupported(source, f"GPTQ {bits}-bit", "qserve loads 4- and 8-bit GPTQ")
+    if bits not in GPTQ_BITS:
+        raise _unsupported(source, f"GPTQ {bits}-bit", "qserve loads 3-, 4- and 8-bit GPTQ")
     fmt = raw.get("checkpoint_format") or raw.get("format") or "gptq"
     if fmt != "gptq":
         raise _unsupported(source, f"GPTQ checkpoint_format {fmt!r}", "expected 'gptq' (v1)")
@@ -194,8 +195,8 @@ def _dynamic_scheme(overrides: Any, base: LinearScheme, source: str, pattern: st
         what = f"GPTQ dynamic overrides {overrides!r} for {pattern!r}"
         raise _unsupported(source, what, f"expected keys among {sorted(_DYNAMIC_KEYS)}")
     bits = overrides.get("bits", base.bits)
-    if bits not in (4, 8):
-        raise _unsupported(source, f"GPTQ {bits}-bit (dynamic {pattern!r})", "4 or 8 bits")
+    if bits not in GPTQ_BITS:
+        raise _unsupported(source, f"GPTQ {bits}-bit (dynamic {pattern!r})", "3, 4 or 8 bits")
     group = _group_size(overrides.get("group_size", base.group_size), source, "GPTQ")
     desc_act = bool(overrides.get("desc_act", base.desc_act))
     return LinearScheme("gptq", bits=bits, group_size=group, desc_act=desc_act)

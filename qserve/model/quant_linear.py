@@ -97,8 +97,9 @@ def _use_cpu_kernel(t: torch.Tensor, dtype: torch.dtype) -> bool:
 
 
 def _use_cpu_w4a16(t: torch.Tensor, bits: int) -> bool:
-    """The C++ 4-bit kernel: CPU tensors, enabled and compiled (compiles on first use)."""
-    return t.device.type == "cpu" and bits == 4 and cpu_w4a16.available()
+    """The C++ 4-bit kernel (3-bit codes are 4-bit codes too): CPU tensors, enabled and
+    compiled (compiles on first use)."""
+    return t.device.type == "cpu" and bits in (3, 4) and cpu_w4a16.available()
 
 
 # The layers call this as `quant_linear._on_triton` (a module lookup), so one monkeypatch here

@@ -15,7 +15,8 @@ Formats (tensor suffix -> shape; `kernels/packing.py` has the layouts):
     w8     weight [N, K] int8/fp8, weight_scale [N, 1] or [1], input_scale [1], bias [N]
 
 Shards are cut where the formats allow it, or refused in one line naming the layer and why:
-N per rank a multiple of the values packed in a word along N; K per rank a multiple of the
+N per rank a multiple of the values packed in a word along N (32 values in 3 words at 3 bits:
+`packing.pack_block`); K per rank a multiple of the
 values packed along K, and of the group size unless GPTQ act-order (`g_idx` not consecutive),
 where, as vLLM does, every rank keeps all groups' scales and zeros and its slice of g_idx.
 Contiguous ranges (`shard_range`), rank 0 first.
@@ -27,6 +28,7 @@ import torch
 from torch import Tensor
 
 from qserve.errors import QServeError
+from qserve.kernels import packing
 
 __all__ = ["FORMATS", "shard_range", "column_shard", "row_shard"]
 
@@ -49,8 +51,8 @@ def column_shard(
 ) -> Tensors:
     """Rank `rank`'s tensors when the output dim is split."""
     N = _out_features(tensors, fmt)
-    pack = {"gptq": 32 // _bits(tensors, fmt, N), "awq": 8}.get(fmt, 1)
-    _check_cut(N, world, pack, name, "output channels", f"the {pack} values packed in a word")
+    pack, words = _block(tensors, fmt, N) if fmt == "gptq" else ({"awq": 8}.get(fmt, 1), 1)
+    _check_cut(N, world, pack, name, "output channels", _packed_why(pack, words))
     r0, r1 = shard_range(N, rank, world)
     out: Tensors = {}
     for key, t in tensors.items():
@@ -59,7 +61,7 @@ def column_shard(
         elif key == "scales" or (fmt == "gptq" and key == "qweight"):
             out[key] = t[:, r0:r1]  # [.., N]
         elif key == "qzeros" or (fmt == "awq" and key == "qweight"):
-            out[key] = t[:, r0 // pack : r1 // pack]  # [.., N / pack]
+            out[key] = t[:, r0 // pack * words : r1 // pack * words]  # [.., N / pack * words]
         else:  # g_idx, per-tensor scales, input_scale: whole on every rank
             out[key] = t
     return {k: v.contiguous() for k, v in out.items()}
@@ -72,11 +74,11 @@ def row_shard(
     gptq / awq (-1: one group per channel, which every K split keeps whole)."""
     K = _in_features(tensors, fmt)
     N = _out_features(tensors, fmt)
-    pack = 32 // _bits(tensors, fmt, N) if fmt == "gptq" else 1
+    pack, words = _block(tensors, fmt, N) if fmt == "gptq" else (1, 1)
     act_order = fmt == "gptq" and "g_idx" in tensors and not _ascending(tensors["g_idx"])
     grouped = fmt in ("gptq", "awq") and group_size != -1 and not act_order
-    unit = group_size if grouped else pack
-    what = f"whole groups of {group_size}" if grouped else f"the {pack} values packed in a word"
+    unit = max(group_size, pack) if grouped else pack
+    what = f"whole groups of {group_size}" if grouped else _packed_why(pack, words)
     _check_cut(K, world, unit, name, "input channels", what)
     k0, k1 = shard_range(K, rank, world)
     g0, g1 = (k0 // group_size, k1 // group_size) if grouped else (None, None)
@@ -88,7 +90,7 @@ def row_shard(
         elif key == "weight":
             out[key] = t[:, k0:k1]  # dense / w8 [N, K]
         elif key == "qweight":
-            out[key] = t[k0 // pack : k1 // pack] if fmt == "gptq" else t[k0:k1]
+            out[key] = t[k0 // pack * words : k1 // pack * words] if fmt == "gptq" else t[k0:k1]
         elif key == "g_idx":
             out[key] = t[k0:k1] - (g0 or 0)  # its groups renumbered from the shard's first
         elif key in ("scales", "qzeros") and g0 is not None:
@@ -96,6 +98,12 @@ def row_shard(
         else:  # per-channel quantization, act-order scales/zeros, w8 scales: whole
             out[key] = t
     return {k: v.contiguous() for k, v in out.items()}
+
+
+def _packed_why(pack: int, words: int) -> str:
+    if words == 1:
+        return f"the {pack} values packed in a word"
+    return f"the {pack} values packed in {words} words"
 
 
 def _check_cut(size: int, world: int, unit: int, name: str, what: str, why: str) -> None:
@@ -127,6 +135,12 @@ def _in_features(tensors: Tensors, fmt: str) -> int:
     if fmt == "awq":
         return tensors["qweight"].shape[0]
     return tensors["qweight"].shape[0] * 32 // _bits(tensors, fmt, _out_features(tensors, fmt))
+
+
+def _block(tensors: Tensors, fmt: str, N: int) -> tuple[int, int]:
+    """GPTQ's (values, words) of one packed run (`packing.pack_block`): a cut falls between
+    runs."""
+    return packing.pack_block(_bits(tensors, fmt, N))
 
 
 def _bits(tensors: Tensors, fmt: str, N: int) -> int:

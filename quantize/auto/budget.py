@@ -47,6 +47,7 @@ __all__ = [
     "candidate_schemes",
     "reference_scheme",
     "directly_measured",
+    "anchor",
     "linear_bytes",
     "min_bytes",
     "min_error",
@@ -66,6 +67,7 @@ DENSE = Scheme(16)
 SAFETY = 1.1  # a re-fitted c is raised by this much, so a retry does not land just over again
 CONFIDENCE = 0.95  # a budget is met when the one-sided upper bound at this confidence is in it
 W4_GROUPS = (128, 64, 32)
+W3_GROUPS = (128, 64, 32)  # GPTQ format only: compressed-tensors' loaders take 4 and 8 bits
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,27 +95,45 @@ def linear_bytes(N: int, K: int, scheme: Scheme) -> int:
 
 
 def candidate_schemes(unit: Unit) -> list[Scheme]:
-    """16-bit, W8 per channel, W4 with every group size dividing each linear's K, and W4 per
+    """16-bit, W8 per channel, W4 with every group size dividing each linear's K, W4 per
     channel where 128 does not divide some K (the only candidate under W4 there when no group
-    size does). Where the coarsest groups are finer than 128 (SmolLM2's K = 576: 64), nothing
-    else is smaller than them, and an allocation at their size cannot pay for any upgrade.
-    Where g128 fits, per channel was tried beside it on Gemma-3-270M: the allocator at W4
-    g64's size put one unit of 72 there, and the checkpoint scored no better (README)."""
-    groups = [Scheme(4, g) for g in W4_GROUPS if all(k % g == 0 for _, k in unit.shapes)]
+    size does), and W3 with every group size dividing each K where 3-bit packing fits (N and K
+    multiples of 32). Where the coarsest W4 groups are finer than 128 (SmolLM2's K = 576: 64),
+    nothing but W3 is smaller than them, and an allocation at their size can pay for an
+    upgrade only with W3 elsewhere. Where g128 fits, per channel was tried beside it on
+    Gemma-3-270M: the allocator at W4 g64's size put one unit of 72 there, and the checkpoint
+    scored no better (README)."""
+    fits = [g for g in W4_GROUPS if all(k % g == 0 for _, k in unit.shapes)]
+    groups = [Scheme(4, g) for g in fits]
     coarse = [Scheme(4, -1)] if not groups or groups[0].group_size < max(W4_GROUPS) else []
-    return [DENSE, Scheme(8, -1), *groups, *coarse]
+    packs3 = all(n % 32 == 0 and k % 32 == 0 for n, k in unit.shapes)
+    three = [Scheme(3, g) for g in W3_GROUPS if g in fits] if packs3 else []
+    return [DENSE, Scheme(8, -1), *groups, *coarse, *three]
 
 
 def directly_measured(schemes: Sequence[Scheme]) -> list[Scheme]:
     """The schemes whose KL is measured, not carried from the reference's by the ratio of
-    proxy errors: the reference, and W4 per channel beside groups (one range for a whole row is
-    unlike the groups' in kind, which the ratio's assumption of alike noise may not carry). On
+    proxy errors: the reference; W4 per channel beside groups (one range for a whole row is
+    unlike the groups' in kind, which the ratio's assumption of alike noise may not carry: on
     SmolLM2-135M (18 units of 6 blocks) the plain proxies' ratio was 0.06x to 1.26x its
     measured KL ratio to g64, that of the proxies of both schemes' MSE-searched weights 0.41x to
     1.63x, biased by unit kind (q/k/v 0.69x to 0.72x in the last blocks); two sets of 4 KL
-    windows agreed on the measured ratio within 10%. Measured on measure.RATIO_WINDOWS."""
+    windows agreed on the measured ratio within 10%); and the coarsest W3 groups, the anchor
+    the other W3 groups are carried from (`anchor`): 8 levels rather than 16 is a larger
+    error, further from the reference's than any other candidate. Measured on
+    measure.RATIO_WINDOWS."""
     ref = reference_scheme(schemes)
-    return [ref, *(s for s in schemes if s == Scheme(4, -1) and s != ref)]
+    three = [s for s in schemes if s.bits == 3]
+    return [ref, *(s for s in schemes if s == Scheme(4, -1) and s != ref), *three[:1]]
+
+
+def anchor(scheme: Scheme, measured: Sequence[Scheme]) -> Scheme:
+    """The directly measured scheme `scheme`'s KL is carried from by the ratio of proxy errors
+    (itself when measured): the measured scheme of its bits when it is W3, else the reference
+    (`measured[0]`)."""
+    if scheme in measured:
+        return scheme
+    return next((s for s in measured[1:] if s.bits == 3 == scheme.bits), measured[0])
 
 
 def reference_scheme(schemes: Sequence[Scheme]) -> Scheme:
@@ -276,9 +296,7 @@ class Goal:
 
     def max_error(self, c: float) -> float:
         """The summed unit error whose prediction is the limit."""
-        if self.metric == "kl":
-            return self.limit / c
-        return error_budget(self.limit, c)
+        return self._scaled(self.limit) / c
 
     def value(self, measured: Mapping[str, float]) -> float:
         """What the budget is held to: the upper CONFIDENCE bound (`upper_bound`) of the
@@ -289,11 +307,29 @@ class Goal:
     def met(self, measured: Mapping[str, float]) -> bool:
         return self.value(measured) <= self.limit
 
-    def refit(self, measured: Mapping[str, float], error: float) -> float:
-        """c that would have predicted the measurement, raised by SAFETY."""
-        value = self.value(measured)
-        scaled = value if self.metric == "kl" else math.log1p(value)
-        return SAFETY * scaled / max(error, 1e-12)
+    def refit(self, attempts: Sequence[tuple[float, Mapping[str, float]]]) -> float:
+        """c for the next attempt from the (summed unit error, measurement) of those so far:
+        the c that would have predicted the last, raised by SAFETY. After a miss that followed
+        an attempt of more error and more measured (the measured value rises with the error),
+        the error where the line through the last two reaches the limit / SAFETY, when that
+        asks for less error than proportion does: near W8 the bound shrinks more slowly than
+        the mean (its width does not scale with the error), and on Gemma-3-270M at +0.5% three
+        proportional steps of SAFETY ended at a bound of +0.506%."""
+        error, measured = attempts[-1]
+        value = self._scaled(self.value(measured))
+        c = SAFETY * value / max(error, 1e-12)
+        if len(attempts) < 2 or self.met(measured):
+            return c
+        error0, value0 = attempts[-2][0], self._scaled(self.value(attempts[-2][1]))
+        if not (error0 > error and value0 > value):
+            return c
+        target = self._scaled(self.limit) / SAFETY
+        aimed = error + (target - value) * (error0 - error) / (value0 - value)
+        return max(c, self._scaled(self.limit) / aimed) if aimed > 0 else c
+
+    def _scaled(self, value: float) -> float:
+        """What c * (summed unit error) predicts: log(1 + increase) for `ppl`, the KL itself."""
+        return value if self.metric == "kl" else math.log1p(value)
 
     def describe(self, value: float) -> str:
         if self.metric == "kl":

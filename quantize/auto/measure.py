@@ -24,13 +24,15 @@ For each block b, on the float model's inputs of both sets:
        W_r, the later blocks float;
     4. e_u(s) = KL_u(r) * d_u(s) / d_u(r): the measured KL, carried to the other schemes by the
        ratio of their proxy errors (16-bit: 0); W4 per channel, where it is a candidate beside
-       groups (`budget.candidate_schemes`), has its KL measured as r's is, on the first
-       RATIO_WINDOWS of the KL windows only, and e_u(ch) = KL_u(r) * KL_u(ch) / KL_u(r) on those
-       windows. On SmolLM2-135M a unit's KL varied between windows 1.6x to 6x, where per
-       channel's ratio to g64's on one window was mostly within 20% of its ratio on 8 (at
-       worst -28% / +45%), and two sets of 4 windows agreed on it within 10%; the proxy ratio
-       misjudged it by more, and by unit kind (`budget.directly_measured`). Measured on all
-       the windows (version 6), its KL was a second partial forward for 3 of SmolLM2's 4 units.
+       groups (`budget.candidate_schemes`), and the coarsest W3 groups have their KL measured
+       as r's is, on the first RATIO_WINDOWS of the KL windows only, e_u(m) = KL_u(r) * KL_u(m)
+       / KL_u(r) on those windows; the finer W3 groups are carried from the coarsest W3's
+       (`budget.anchor`) as the others are from r's. On SmolLM2-135M a unit's KL varied
+       between windows 1.6x to 6x, where per channel's ratio to g64's on one window was mostly
+       within 20% of its ratio on 8 (at worst -28% / +45%), and two sets of 4 windows agreed
+       on it within 10%; the proxy ratio misjudged it by more, and by unit kind
+       (`budget.directly_measured`). Measured on all the windows (version 6), its KL was a
+       second partial forward for 3 of SmolLM2's 4 units.
 
 One KL per unit keeps the pass to about one partial forward per unit; the proxy ratio assumes
 the output's sensitivity to the unit's error is the same at every scheme (quantization noise
@@ -64,7 +66,13 @@ from torch import Tensor, nn
 
 from qserve.model.resolve import model_files_stamp
 from qserve.quantize.arch import arch_spec
-from qserve.quantize.auto.budget import DENSE, Unit, candidate_schemes, directly_measured
+from qserve.quantize.auto.budget import (
+    DENSE,
+    Unit,
+    anchor,
+    candidate_schemes,
+    directly_measured,
+)
 from qserve.quantize.auto.tail import Swap, Tail, block_forward, swapped
 from qserve.quantize.block_context import BlockContext
 from qserve.quantize.calibration import NAMED, calibration_ids, text_prefix
@@ -87,7 +95,7 @@ __all__ = [
 ]
 
 logger = logging.getLogger("qserve")
-MEASURE_VERSION = 7  # bump when what is measured changes: old cache entries are not read
+MEASURE_VERSION = 8  # bump when what is measured changes: old cache entries are not read
 # held-out tokens scored per verification: on SmolLM2-135M a 10% budget verified at +9.70% on
 # the first 4096 scored +10.32% on the first 8192 (a 2-core AVX-512 EPYC)
 VERIFY_TOKENS = 16384
@@ -240,32 +248,36 @@ def _measure_unit(
     X: list[Tensor],
 ) -> tuple[Unit, dict[Scheme, float], float, Swap]:
     """The unit of linears `names` of block b: its KL at the reference scheme (from X, block b's
-    KL-window inputs), carried to the other schemes by the ratio of their proxy errors
-    (Hessians of the fit windows), or by the ratio of their KL on the first windows where
-    `directly_measured` says."""
+    KL-window inputs); at the other `directly_measured` schemes by their ratio to it on the
+    first windows; at the rest carried from their `anchor`'s by the ratio of proxy errors
+    (Hessians of the fit windows)."""
     spec, s = ctx.spec, ctx.s
     linears = [ctx.linear(n) for n in names]
     full = [spec.checkpoint_name(ctx.prefix + n) for n in names]
     unit = Unit(_unit_name(full), tuple(full), tuple(tuple(m.weight.shape) for m in linears))
     schemes = [sc for sc in candidate_schemes(unit) if not sc.dense]
     measured = directly_measured(schemes)
-    ref, carried = measured[0], [sc for sc in schemes if sc not in measured[1:]]
-    weights = {sc: _gptq(ctx, names, hessians, sc, mse=False) for sc in carried}
+    anchors = {sc: anchor(sc, measured) for sc in schemes}
+    carried = [sc for sc in schemes if anchors[sc] != sc]
+    proxied = [sc for sc in schemes if sc in carried or sc in {anchors[c] for c in carried}]
+    weights = {sc: _gptq(ctx, names, hessians, sc, mse=False) for sc in proxied}
     proxy = {sc: _proxy(ctx, names, hessians, w) for sc, w in weights.items()}
     reuse = {} if s.mse else weights  # --no-mse: the run's own GPTQ is the plain one, made once
     run = {sc: reuse.get(sc) or _gptq(ctx, names, hessians, sc, mse=s.mse) for sc in measured}
+    ref = measured[0]
     swap = list(zip(linears, run[ref]))
     sums = tail.kl_sums(b, X, swap)
     kl = sum(sums) / tail.tokens(len(X))
-    errs = {DENSE: 0.0}
-    errs.update({sc: kl * proxy[sc] / proxy[ref] if proxy[ref] > 0 else 0.0 for sc in carried})
-    errs[ref] = kl
+    errs = {DENSE: 0.0, ref: kl}
     n = min(RATIO_WINDOWS, len(X))
     base = sum(sums[:n])  # the reference's KL on the first n windows
     for sc in measured[1:]:
         part = sum(tail.kl_sums(b, X[:n], list(zip(linears, run[sc]))))
         errs[sc] = kl * part / base if base > 0 else 0.0
-    return unit, errs, kl, swap
+    for sc in carried:
+        a = anchors[sc]
+        errs[sc] = errs[a] * proxy[sc] / proxy[a] if proxy[a] > 0 else 0.0
+    return unit, {sc: errs[sc] for sc in [DENSE, *schemes]}, kl, swap
 
 
 def _gptq(

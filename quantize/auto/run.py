@@ -14,7 +14,8 @@
                   budget is met when the upper 95% bound of the mean over the windows is in
                   it (`budget.upper_bound`), not the mean alone, so that it holds on text
                   beyond the verified windows too
-    5. retry      c (`Goal.refit`) is re-fitted to what was measured and the allocation
+    5. retry      c (`Goal.refit`) is re-fitted to what was measured (after two misses, to
+                  the line through them where that asks for more) and the allocation
                   re-solved: over budget, only upgrading units; within it, for fewer bytes
                   (a budget met with room to spare is not the smallest checkpoint); at most
                   MAX_ATTEMPTS quantizations. The smallest checkpoint that met its budget is
@@ -54,7 +55,7 @@ __all__ = [
 ]
 
 logger = logging.getLogger("qserve")
-MAX_ATTEMPTS = 3
+MAX_ATTEMPTS = 4
 
 
 def plan_auto(
@@ -64,7 +65,7 @@ def plan_auto(
     progress: Callable[[int, int, float], None] | None = None,
 ) -> tuple[Measurement, Allocation]:
     """The measurement (cached) and the first allocation: what --dry-run prints."""
-    m = measure(model_path, settings, cache_dir, progress)
+    m = _writable(measure(model_path, settings, cache_dir, progress), settings)
     allocation = allocate(m, settings, start_c(m))
     _check_quantizes(allocation, budget.Goal.of(settings))
     return m, allocation
@@ -90,6 +91,7 @@ def quantize_auto(
     c, measured = start_c(m), {"increase": math.inf}
     scorer = HeldOut(model_path)
     attempts: list[dict[str, Any]] = []
+    history: list[tuple[float, Mapping[str, float]]] = []  # (summed unit error, measured)
     best: _Met | None = None
     with output_rules.staging_dir(output_dir, overwrite, model_path) as stage:
         for attempt in range(1, MAX_ATTEMPTS + 1):
@@ -108,7 +110,8 @@ def quantize_auto(
                 shutil.rmtree(folder)
             if goal is None or attempt == MAX_ATTEMPTS:
                 break
-            c = {**c, goal.metric: goal.refit(measured, allocation.error)}
+            history.append((allocation.error, measured))
+            c = {**c, goal.metric: goal.refit(history)}
             allocation = _next_allocation(m, goal, c[goal.metric], allocation, best)
             if allocation is None:
                 break
@@ -126,6 +129,15 @@ def quantize_auto(
             entry.rename(stage / entry.name)
         best.folder.rmdir()
         return Path(output_dir)
+
+
+def _writable(m: Measurement, settings: QuantizeSettings) -> Measurement:
+    """`m` without the schemes the checkpoint's format does not write (W3 in compressed-tensors:
+    `QuantizeSettings._check_format_bits`)."""
+    if settings.format != "compressed-tensors":
+        return m
+    errors = [{s: e for s, e in errs.items() if s.bits != 3} for errs in m.errors]
+    return dataclasses.replace(m, errors=errors)
 
 
 @dataclasses.dataclass

@@ -6,7 +6,7 @@ import torch
 from qserve.kernels import packing as P
 
 
-@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("bits", [3, 4, 8])
 def test_gptq_qweight_round_trip(bits: int) -> None:
     K, N = 64, 24
     q = torch.randint(0, 2**bits, (K, N), dtype=torch.int32)
@@ -39,13 +39,15 @@ def test_gptq_sign_bit_words() -> None:
     assert torch.equal(P.unpack_gptq_qweight(P.pack_gptq_qweight(q, 4), 4), q)
 
 
-@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("bits", [3, 4, 8])
 def test_gptq_qzeros_round_trip(bits: int) -> None:
-    G, N = 3, 32
+    G, N = 3, 64
     zeros = torch.randint(1, 2**bits + 1, (G, N), dtype=torch.int32)
     qzeros = P.pack_gptq_qzeros(zeros, bits)
     assert qzeros.dtype == torch.int32 and qzeros.shape == (G, N * bits // 32)
     assert torch.equal(P.unpack_gptq_qzeros(qzeros, bits), zeros)
+    if bits == 3:
+        return  # the stream layout: test_gptq_3bit_autogptq_layout
     # stored value is zero - 1, packed along N with the same field order
     per = 32 // bits
     word = int(qzeros[1, 2]) & 0xFFFFFFFF
@@ -67,15 +69,59 @@ def test_gptq_rejects_unrepresentable() -> None:
         P.pack_gptq_qweight(torch.full((8, 1), 16, dtype=torch.int32), 4)
     with pytest.raises(ValueError):
         P.pack_gptq_qweight(torch.ones(6, 1, dtype=torch.int32), 4)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError):  # 3 bit packs runs of 32 values
         P.pack_gptq_qweight(torch.ones(8, 1, dtype=torch.int32), 3)
+    with pytest.raises(ValueError):
+        P.pack_gptq_qweight(torch.ones(32, 1, dtype=torch.int32), 5)
 
 
-@pytest.mark.parametrize("bits", [4, 8])
+def _autogptq_pack_3bit(intweight: list[int]) -> list[int]:
+    """AutoGPTQ's own 3-bit packing loop (its QuantLinear.pack), for one column of 32 * R
+    values: the layout vLLM's and GPTQModel's 3-bit kernels read."""
+    out, i = [], 0
+    while i < len(intweight):
+        w0 = w1 = w2 = 0
+        for j in range(10):
+            w0 |= intweight[i + j] << (3 * j)
+        i += 10
+        w0 |= (intweight[i] << 30) & 0xFFFFFFFF
+        w1 |= (intweight[i] >> 2) & 1
+        i += 1
+        for j in range(10):
+            w1 |= intweight[i + j] << (3 * j + 1)
+        i += 10
+        w1 |= (intweight[i] << 31) & 0xFFFFFFFF
+        w2 |= (intweight[i] >> 1) & 0x3
+        i += 1
+        for j in range(10):
+            w2 |= intweight[i + j] << (3 * j + 2)
+        i += 10
+        out += [w0, w1, w2]
+    return out
+
+
+def test_gptq_3bit_autogptq_layout() -> None:
+    K, N = 64, 3
+    q = torch.randint(0, 8, (K, N), dtype=torch.int32)
+    q[10, 0], q[21, 0] = 7, 7  # the values that straddle words
+    qweight = P.pack_gptq_qweight(q, 3)
+    assert qweight.shape == (6, N)
+    for n in range(N):
+        words = [int(w) & 0xFFFFFFFF for w in qweight[:, n]]
+        assert words == _autogptq_pack_3bit([int(v) for v in q[:, n]])
+    zeros = torch.randint(1, 9, (2, 32), dtype=torch.int32)
+    qzeros = P.pack_gptq_qzeros(zeros, 3)
+    for g in range(2):
+        words = [int(w) & 0xFFFFFFFF for w in qzeros[g]]
+        assert words == _autogptq_pack_3bit([int(z) - 1 for z in zeros[g]])
+    assert P.pack_block(3) == (32, 3) and P.pack_block(4) == (8, 1)
+
+
+@pytest.mark.parametrize("bits", [3, 4, 8])
 @pytest.mark.parametrize("act_order", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_dequantize_gptq_definition(bits: int, act_order: bool, dtype: torch.dtype) -> None:
-    K, N, gs = 64, 16, 16
+    K, N, gs = 64, 32, 16
     G = K // gs
     q = torch.randint(0, 2**bits, (K, N), dtype=torch.int32)
     zeros = torch.randint(1, 2**bits, (G, N), dtype=torch.int32)

@@ -38,6 +38,7 @@ METHODS = {
     "rtn-8bit": dict(method="rtn", bits=8, group_size=-1),  # symmetric per channel: int8 kernel
     "gptq": dict(method="gptq", group_size=32, **CALIB),
     "gptq-act-order": dict(method="gptq", group_size=32, desc_act=True, **CALIB),
+    "gptq-3bit": dict(method="gptq", bits=3, group_size=32, **CALIB),  # on the 4-bit kernels
     "awq": dict(method="awq", group_size=32, **CALIB),
     "int8": dict(method="int8", **CALIB),
     "fp8": dict(method="fp8"),
@@ -46,12 +47,13 @@ METHODS = {
 # 4-bit checkpoints run on the C++ kernel on CPU (any activation dtype) where it compiled and
 # QSERVE_CPU_KERNELS is not 0; otherwise, and for the others, these paths with bf16 activations
 # (fp32 activations take "dequantized").
-W4_METHODS = ("rtn", "gptq", "gptq-act-order", "awq")
+W4_METHODS = ("rtn", "gptq", "gptq-act-order", "gptq-3bit", "awq")
 BF16_PATHS = {
     "rtn": "cpu-int4pack",
     "rtn-8bit": "cpu-int8pack",
     "gptq": "cpu-int4pack",
     "gptq-act-order": "cpu-int4pack",
+    "gptq-3bit": "cpu-int4pack",
     "awq": "cpu-int4pack",
     "int8": "cpu-int8pack",
     "fp8": "dequantized",

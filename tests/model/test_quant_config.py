@@ -135,7 +135,7 @@ def test_kv_cache_scheme_and_vllm_fp8():
 @pytest.mark.parametrize(
     ("raw", "message"),
     [
-        ({"quant_method": "gptq", "bits": 3}, "GPTQ 3-bit is not supported"),
+        ({"quant_method": "gptq", "bits": 2}, "GPTQ 2-bit is not supported"),
         (
             {"quant_method": "gptq", "bits": 4, "checkpoint_format": "marlin"},
             "GPTQ checkpoint_format 'marlin' is not supported",

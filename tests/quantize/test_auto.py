@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import random
 from pathlib import Path
 
@@ -25,7 +26,9 @@ from qserve.quantize.settings import QuantizeSettings
 
 
 @pytest.mark.parametrize(
-    "scheme", [Scheme(4, 32), Scheme(4, 128), Scheme(4, -1), Scheme(8, -1)], ids=str
+    "scheme",
+    [Scheme(4, 32), Scheme(4, 128), Scheme(4, -1), Scheme(8, -1), Scheme(3, 64), Scheme(3, 128)],
+    ids=str,
 )
 def test_linear_bytes_are_the_gptq_tensors_bytes(scheme: Scheme) -> None:
     W = torch.randn(192, 256)
@@ -37,14 +40,23 @@ def test_linear_bytes_are_the_gptq_tensors_bytes(scheme: Scheme) -> None:
 
 def test_candidates_are_the_group_sizes_dividing_every_k() -> None:
     unit = Unit("u", ("a", "b"), ((64, 1024), (64, 1536)))
-    assert [s.name for s in candidate_schemes(unit)] == ["bf16", "w8ch", "w4g128", "w4g64", "w4g32"]
-    assert budget.directly_measured(candidate_schemes(unit)[1:]) == [Scheme(4, 128)]
-    # 576 = 4.5 * 128: W4 per channel is the one candidate smaller than g64, and measured
+    candidates = candidate_schemes(unit)
+    assert [s.name for s in candidates] == [
+        "bf16", "w8ch", "w4g128", "w4g64", "w4g32", "w3g128", "w3g64", "w3g32"
+    ]  # fmt: skip
+    measured = budget.directly_measured(candidates[1:])
+    assert measured == [Scheme(4, 128), Scheme(3, 128)]
+    assert budget.anchor(Scheme(3, 32), measured) == Scheme(3, 128)  # W3 from W3
+    assert budget.anchor(Scheme(8, -1), measured) == Scheme(4, 128)  # the rest from the reference
+    # 576 = 4.5 * 128: W4 per channel is the one W4 candidate smaller than g64, and measured
     unit = Unit("u", ("a", "b"), ((64, 576), (64, 1536)))
     candidates = candidate_schemes(unit)
-    assert [s.name for s in candidates] == ["bf16", "w8ch", "w4g64", "w4g32", "w4ch"]
+    assert [s.name for s in candidates] == ["bf16", "w8ch", "w4g64", "w4g32", "w4ch", "w3g64",
+                                            "w3g32"]  # fmt: skip
     assert reference_scheme(candidates) == Scheme(4, 64)
-    assert budget.directly_measured(candidates[1:]) == [Scheme(4, 64), Scheme(4, -1)]
+    assert budget.directly_measured(candidates[1:]) == [Scheme(4, 64), Scheme(4, -1), Scheme(3, 64)]
+    no_w3 = Unit("u", ("a",), ((48, 256),))  # 48 output channels: no whole run of 32 codes
+    assert [s.bits for s in candidate_schemes(no_w3)] == [16, 8, 4, 4, 4]
     odd = Unit("u", ("a",), ((64, 200),))  # no group size divides 200
     assert [s.name for s in candidate_schemes(odd)] == ["bf16", "w8ch", "w4ch"]
     assert reference_scheme(candidate_schemes(odd)) == Scheme(4, -1)
@@ -168,14 +180,15 @@ def test_measurement_quantizes_its_reference_with_the_runs_gptq_options(
     tiny_llama: Path, monkeypatch, mse: bool
 ) -> None:
     """The weights a unit's KL and the reference mix are measured with are GPTQ's as the run
-    makes them: the groups' ranges by MSE search unless --no-mse (on by default for auto). The
-    proxy errors of every scheme skip the search (one call per linear and scheme; with
-    --no-mse the reference's are the KL's weights too, not made twice)."""
-    asked: list[tuple[int, bool]] = []
+    makes them: the groups' ranges by MSE search unless --no-mse (on by default for auto), at
+    the reference and at the W3 anchor, the two schemes whose KL is measured here. The proxy
+    errors of every scheme skip the search (one call per linear and scheme; with --no-mse the
+    measured schemes' proxy weights are the KL's weights too, not made twice)."""
+    asked: list[tuple[int, int, bool]] = []
     real = measure_module.gptq_quantize
 
     def spy(W, *args, **kwargs):
-        asked.append((args[2], kwargs["mse"]))  # (group size, mse)
+        asked.append((args[1], args[2], kwargs["mse"]))  # (bits, group size, mse)
         return real(W, *args, **kwargs)
 
     monkeypatch.setattr(measure_module, "gptq_quantize", spy)
@@ -183,43 +196,57 @@ def test_measurement_quantizes_its_reference_with_the_runs_gptq_options(
     settings = QuantizeSettings(max_ppl_increase="1%", **SETTINGS, **extra)
     m = measure(tiny_llama, settings, None)
     linears = sum(len(u.linears) for u in m.units)
-    searched = [g for g, used in asked if used]
-    assert len(searched) == (linears if mse else 0)
-    assert set(searched) <= {128}  # the reference: the coarsest groups (the tiny model's K)
-    plain = [g for g, used in asked if not used]
+    searched = [(b, g) for b, g, used in asked if used]
+    assert len(searched) == (2 * linears if mse else 0)
+    assert set(searched) <= {(4, 128), (3, 128)}  # the coarsest groups (the tiny model's K)
+    plain = [g for _, g, used in asked if not used]
     schemes_per_linear = sum(len(e) - 1 for e, u in zip(m.errors, m.units) for _ in u.linears)
     assert len(plain) == schemes_per_linear  # --no-mse: the reference's proxy weights reused
 
 
-def test_w4_per_channel_beside_groups_is_measured_not_carried(
-    tiny_llama: Path, monkeypatch
-) -> None:
+def test_w4_per_channel_and_w3_are_measured_not_carried(tiny_llama: Path, monkeypatch) -> None:
     """Where per channel is a candidate beside groups (here: no 512 divides the tiny model's
     K (128, 256), so its coarsest groups are 64), its KL is measured as the reference's is, on
-    the first RATIO_WINDOWS KL windows, and carried by its ratio to the reference's there."""
+    the first RATIO_WINDOWS KL windows, and carried by its ratio to the reference's there; so
+    is the coarsest W3 groups' (g64), which the finer W3 groups are carried from by the ratio
+    of their proxy errors."""
     monkeypatch.setattr(budget, "W4_GROUPS", (512, 64, 32))
     monkeypatch.setattr(measure_module, "RATIO_WINDOWS", 1)  # of the 2 KL windows
     calls: list[list[float]] = []  # per call: the KL summed over each window
     real = measure_module.Tail.kl_sums
+    proxies: list[float] = []
+    real_proxy = measure_module._proxy
 
     def spy(self, *args):
         calls.append(real(self, *args))
         return calls[-1]
 
+    def spy_proxy(*args):
+        proxies.append(real_proxy(*args))
+        return proxies[-1]
+
     monkeypatch.setattr(measure_module.Tail, "kl_sums", spy)
+    monkeypatch.setattr(measure_module, "_proxy", spy_proxy)
     m = measure(tiny_llama, QuantizeSettings(max_ppl_increase="1%", **SETTINGS), None)
     calls.pop()  # the check of additivity: every unit at once
-    assert len(calls) == 2 * len(m.units)  # the reference's KL, then per channel's
-    assert [len(c) for c in calls] == [2, 1] * len(m.units)
+    assert len(calls) == 3 * len(m.units)  # the reference's KL, per channel's, W3 g64's
+    assert [len(c) for c in calls] == [2, 1, 1] * len(m.units)
+    # proxies in candidate order: w8ch, w4g64 (the reference), w4g32, w3g64, w3g32
+    assert len(proxies) == 5 * len(m.units)
     for i, errors in enumerate(m.errors):
-        ref, ch = calls[2 * i], calls[2 * i + 1]
+        ref, ch, w3 = calls[3 * i : 3 * i + 3]
+        p8, p64, p32, p3_64, p3_32 = proxies[5 * i : 5 * i + 5]
         kl = sum(ref) / (2 * 64)  # per token: 2 windows of 64
         assert errors[Scheme(4, 64)] == m.reference_kl[i] == pytest.approx(kl, rel=1e-12)
         assert errors[Scheme(4, -1)] == pytest.approx(kl * ch[0] / ref[0], rel=1e-12)
+        assert errors[Scheme(3, 64)] == pytest.approx(kl * w3[0] / ref[0], rel=1e-12)
+        assert errors[Scheme(3, 32)] == pytest.approx(errors[Scheme(3, 64)] * p3_32 / p3_64)
+        assert errors[Scheme(4, 32)] == pytest.approx(kl * p32 / p64, rel=1e-12)
         assert errors[Scheme(4, -1)] != errors[Scheme(4, 64)]
         assert set(errors) == {Scheme(16), Scheme(8, -1), Scheme(4, 64), Scheme(4, 32),
-                               Scheme(4, -1)}  # fmt: skip
-        assert errors[Scheme(4, 32)] < errors[Scheme(4, 64)] and errors[Scheme(4, -1)] > 0
+                               Scheme(4, -1), Scheme(3, 64), Scheme(3, 32)}  # fmt: skip
+        assert errors[Scheme(4, 32)] < errors[Scheme(4, 64)] < errors[Scheme(3, 64)]
+        assert errors[Scheme(4, -1)] > 0
 
 
 def test_heldout_score_of_the_float_model_is_zero(tiny_llama: Path) -> None:
@@ -327,6 +354,23 @@ def test_a_budget_is_held_to_the_bound_not_the_mean(
     assert first["measured_increase_bound"] == pytest.approx(0.011)
     assert second["bytes"] > first["bytes"] and record["met"]
     assert record["measured"]["increase"] == 0.004 and record["measured"]["confidence"] == 0.95
+
+
+def test_refit_after_two_misses_follows_the_line_through_them() -> None:
+    goal = budget.Goal("ppl", 0.005)
+    first = (1.0, {"increase": 0.008, "increase_bound": 0.009})
+    second = (0.6, {"increase": 0.0045, "increase_bound": 0.0055})  # less error, less measured
+    proportional = budget.SAFETY * math.log1p(0.0055) / 0.6
+    assert goal.refit([second]) == pytest.approx(proportional)
+    v0, v1, target = math.log1p(0.009), math.log1p(0.0055), math.log1p(0.005) / budget.SAFETY
+    aimed = 0.6 + (target - v1) * (1.0 - 0.6) / (v0 - v1)
+    c = goal.refit([first, second])
+    assert c > proportional and goal.max_error(c) == pytest.approx(aimed)
+    # the line only where the measured value fell with the error, and only after a miss
+    worse = (0.6, {"increase": 0.009, "increase_bound": 0.0095})
+    assert goal.refit([first, worse]) == pytest.approx(budget.SAFETY * math.log1p(0.0095) / 0.6)
+    met = (0.6, {"increase": 0.004, "increase_bound": 0.0045})
+    assert goal.refit([first, met]) == pytest.approx(budget.SAFETY * math.log1p(0.0045) / 0.6)
 
 
 def test_upper_bound_is_students_t() -> None:

@@ -16,7 +16,7 @@ def _fp16_scales(qw):
     return dataclasses.replace(qw, scales=qw.scales.half().float())
 
 
-@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("bits", [3, 4, 8])
 @pytest.mark.parametrize("group_size", [32, 128, -1])
 @pytest.mark.parametrize("sym", [True, False])
 def test_gptq_export_round_trip(bits: int, group_size: int, sym: bool) -> None:

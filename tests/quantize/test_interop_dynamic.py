@@ -1,7 +1,8 @@
 """GPTQModel's per-module `dynamic` overrides (mixed-precision GPTQ checkpoints, as vLLM reads
 them) load in qserve: a gptqmodel 7.6.0 checkpoint of the tiny Llama with one linear left dense
-("-:"), the down projections in 8 bits with groups of 64, and layer 1's gate/up in groups of 16,
-against gptqmodel's own loader (fp16, its torch kernel: tolerance FP16 of test_interop)."""
+("-:"), the down projections in 8 bits with groups of 64, layer 1's gate/up in groups of 16
+and its q/k/v in 3 bits (GPTQ's 96-bit stream of 32 codes), against gptqmodel's own loader
+(fp16, its torch kernel: tolerance FP16 of test_interop)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ DYNAMIC = {
     r"-:.*\.0\.self_attn\.o_proj": {},
     r"+:.*down_proj": {"bits": 8, "group_size": 64},
     r".*\.1\.mlp\.(gate|up)_proj": {"group_size": 16},
+    r".*\.1\.self_attn\.(q|k|v)_proj": {"bits": 3},
 }
 
 
@@ -31,11 +33,12 @@ def test_dynamic_rules_pick_each_module_scheme() -> None:
     assert scheme.for_module("model.layers.0.mlp.down_proj") == LinearScheme("gptq", 8, 64)
     assert scheme.for_module("model.layers.1.mlp.up_proj") == LinearScheme("gptq", 4, 16)
     assert scheme.for_module("model.layers.0.mlp.up_proj") == LinearScheme("gptq", 4, 32)
+    assert scheme.for_module("model.layers.1.self_attn.k_proj") == LinearScheme("gptq", 3, 32)
 
 
 @pytest.mark.parametrize(
     "dynamic, message",
-    [({"+:(": {}}, "regex"), ({".*": {"bits": 3}}, "3-bit"), ({".*": {"damp": 1}}, "keys")],
+    [({"+:(": {}}, "regex"), ({".*": {"bits": 2}}, "2-bit"), ({".*": {"damp": 1}}, "keys")],
     ids=["regex", "bits", "key"],
 )
 def test_bad_dynamic_rules_are_one_line_errors(dynamic, message) -> None:
@@ -66,7 +69,9 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory, tiny_llama: Path) -> Pa
 
 def test_gptqmodel_dynamic_checkpoint_loads_in_qserve(checkpoint: Path) -> None:
     model, _ = load_model(checkpoint, torch.float32)
-    assert model.load_report.scheme == "gptq: gptq w4a16 g32, gptq w8a16 g64, gptq w4a16 g16"
+    assert model.load_report.scheme == (
+        "gptq: gptq w4a16 g32, gptq w8a16 g64, gptq w4a16 g16, gptq w3a16 g32"
+    )
     layer0 = model.model.layers[0]
     assert isinstance(layer0.self_attn.o_proj, torch.nn.Linear)  # "-:" left it dense
     prompt = torch.randint(0, 320, (40,), generator=torch.Generator().manual_seed(0)).tolist()
@@ -75,6 +80,7 @@ def test_gptqmodel_dynamic_checkpoint_loads_in_qserve(checkpoint: Path) -> None:
         str(checkpoint), backend=gptqmodel.BACKEND.TORCH, device="cpu", dtype=torch.float16
     )
     assert loaded.model.model.layers[0].mlp.down_proj.bits == 8
+    assert loaded.model.model.layers[1].self_attn.v_proj.bits == 3
     with torch.inference_mode():
         theirs = loaded.model(torch.tensor([prompt])).logits[0].float()
     err = rel_err(ours(checkpoint, prompt)[0], theirs)
@@ -83,6 +89,7 @@ def test_gptqmodel_dynamic_checkpoint_loads_in_qserve(checkpoint: Path) -> None:
 
 # qserve's own mixed checkpoints: `--dynamic` rules (quantize/dynamic.py), the same mix as DYNAMIC
 RULES = (r"-:.*\.0\.self_attn\.o_proj", r".*down_proj=w8ch", r".*\.1\.mlp\.(gate|up)_proj=w4g64")
+GPTQ_RULES = (*RULES, r".*\.1\.self_attn\.(q|k|v)_proj=w3g32")  # 3 bits: the GPTQ format only
 
 
 @pytest.fixture(scope="module")
@@ -91,7 +98,7 @@ def ours_mixed(tmp_path_factory: pytest.TempPathFactory, tiny_llama: Path) -> Pa
     from qserve.quantize.settings import QuantizeSettings
 
     out = tmp_path_factory.mktemp("qserve-dynamic") / "ckpt"
-    settings = QuantizeSettings(group_size=32, dynamic=RULES, num_samples=4, seq_len=64)
+    settings = QuantizeSettings(group_size=32, dynamic=GPTQ_RULES, num_samples=4, seq_len=64)
     return quantize_model(tiny_llama, out, settings)
 
 
@@ -105,6 +112,7 @@ def test_qserve_writes_dynamic_rules_gptqmodel_reads(ours_mixed: Path) -> None:
         r"-:.*\.0\.self_attn\.o_proj": {},
         r"+:.*down_proj": {"bits": 8, "group_size": -1},
         r"+:.*\.1\.mlp\.(gate|up)_proj": {"bits": 4, "group_size": 64},
+        r"+:.*\.1\.self_attn\.(q|k|v)_proj": {"bits": 3, "group_size": 32},
     }
     sd = load_file(str(ours_mixed / "model.safetensors"))
     assert "model.layers.0.self_attn.o_proj.weight" in sd  # left 16-bit
@@ -114,6 +122,7 @@ def test_qserve_writes_dynamic_rules_gptqmodel_reads(ours_mixed: Path) -> None:
     assert sd["model.layers.0.mlp.down_proj.scales"].shape[0] == 1  # one group: per channel
     assert sd["model.layers.1.mlp.up_proj.scales"].shape[0] == 128 // 64
     assert sd["model.layers.0.mlp.up_proj.scales"].shape[0] == 128 // 32
+    assert sd["model.layers.1.self_attn.q_proj.qweight"].shape == (128 * 3 // 32, 128)
 
 
 def test_qserve_mixed_checkpoint_matches_gptqmodel_loader(ours_mixed: Path) -> None:
@@ -124,12 +133,15 @@ def test_qserve_mixed_checkpoint_matches_gptqmodel_loader(ours_mixed: Path) -> N
         pytest.skip(f"could not import 'gptqmodel': {exc}")
     model, _ = load_model(ours_mixed, torch.float32)
     # config.json's keys are sorted (as transformers writes them): the rules are disjoint
-    assert model.load_report.scheme == "gptq: gptq w4a16 g32, gptq w4a16 g64, gptq w8a16 channel"
+    assert model.load_report.scheme == (
+        "gptq: gptq w4a16 g32, gptq w4a16 g64, gptq w3a16 g32, gptq w8a16 channel"
+    )
     prompt = torch.randint(0, 320, (40,), generator=torch.Generator().manual_seed(1)).tolist()
     loaded = gptqmodel.GPTQModel.load(
         str(ours_mixed), backend=gptqmodel.BACKEND.TORCH, device="cpu", dtype=torch.float16
     )
     assert loaded.model.model.layers[0].mlp.down_proj.bits == 8
+    assert loaded.model.model.layers[1].self_attn.q_proj.bits == 3
     with torch.inference_mode():
         theirs = loaded.model(torch.tensor([prompt])).logits[0].float()
     err = rel_err(ours(ours_mixed, prompt)[0], theirs)
@@ -140,12 +152,15 @@ def test_bad_dynamic_rule_is_refused_before_calibration() -> None:
     from qserve.errors import QServeError
     from qserve.quantize.settings import QuantizeSettings
 
-    for rule, message in [("(=w4g32", "regex"), (".*=w3g32", "unknown scheme"), (".*", "REGEX=")]:
+    for rule, message in [("(=w4g32", "regex"), (".*=w2g32", "unknown scheme"), (".*", "REGEX=")]:
         with pytest.raises(QServeError, match=message) as info:
             QuantizeSettings(dynamic=(rule,))
         assert "\n" not in str(info.value)
     with pytest.raises(QServeError, match="only rtn, gptq"):
         QuantizeSettings(method="awq", dynamic=(".*=w8ch",))
+    for kwargs in [dict(dynamic=(".*=w3g32",)), dict(bits=3)]:  # 3 bits: the GPTQ format only
+        with pytest.raises(QServeError, match="--format gptq"):
+            QuantizeSettings(format="compressed-tensors", **kwargs)
 
 
 def test_overlapping_rules_are_written_as_exact_names() -> None:

@@ -6,7 +6,7 @@ from qserve.quantize.rtn import compute_qparams, quantize_codes, rtn_quantize
 
 
 @pytest.mark.parametrize("group_size", [32, 64, 128, -1])
-@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("bits", [3, 4, 8])
 @pytest.mark.parametrize("sym", [True, False])
 def test_shapes_ranges_and_error_bound(group_size: int, bits: int, sym: bool) -> None:
     torch.manual_seed(0)

@@ -188,9 +188,12 @@ def allocate(m: Measurement, settings: QuantizeSettings, c: budget.C) -> Allocat
         max_bytes = int(settings.target_bits / 8 * sum(u.weights for u in m.units))
         found = budget.min_error(m.units, m.errors, max_bytes)
         if found is None:
+            least = sum(min(u.bytes(s) for s in errs) for u, errs in zip(m.units, m.errors))
+            bits = 8 * least / sum(u.weights for u in m.units)
             raise QServeError(
                 f"target_bits {settings.target_bits:g} is below the smallest scheme every unit "
-                "can take", "target_bits",
+                f"can take: {math.ceil(bits * 1000) / 1000:.3f} bits per weight here",
+                "target_bits",
             )  # fmt: skip
         return found
     goal = budget.Goal.of(settings)

@@ -32,10 +32,16 @@ class HeldOut:
         self._base: tuple[list[float], int] | None = None
 
     @property
-    def base_windows(self) -> list[float]:
+    def _float(self) -> tuple[list[float], int]:
+        """The float model's (mean NLL per token of each window, tokens scored per window),
+        scored on first use."""
         if self._base is None:
             self._base = _window_nlls(self.model_path)
-        return self._base[0]
+        return self._base
+
+    @property
+    def base_windows(self) -> list[float]:
+        return self._float[0]
 
     @property
     def base(self) -> float:
@@ -45,7 +51,8 @@ class HeldOut:
     @property
     def tokens(self) -> int:
         """Tokens scored: every window scores as many."""
-        return len(self.base_windows) * self._base[1]  # type: ignore[index]
+        windows, count = self._float
+        return len(windows) * count
 
     def increase(self, folder: Path) -> float:
         """The perplexity increase of the checkpoint at `folder` (its mean, no bound)."""

@@ -313,6 +313,26 @@ def test_auto_writes_its_mix_as_compressed_tensors(
     assert scorer.increase(out) == pytest.approx(record["measured"]["increase"], abs=1e-9)
 
 
+def test_w3_is_left_out_of_compressed_tensors_allocations() -> None:
+    """compressed-tensors is written at 4 and 8 bits: an allocation for it never takes W3, and
+    a size only W3 reaches is refused there, met in the GPTQ format."""
+    from qserve.errors import QServeError
+    from qserve.quantize.auto.measure import Measurement
+
+    unit = Unit("u", ("a",), ((256, 256),))
+    errors = [{s: 0.0 if s.dense else 1.0 / s.bits for s in candidate_schemes(unit)}]
+    m = Measurement([unit], errors, [0.25], 64, 1.0, {"sum": 0.25, "measured": 0.25},
+                    {"increase": 0.01, "kl": 0.01, "tokens": 64})  # fmt: skip
+    bits = 8 * unit.bytes(Scheme(3, 128)) / unit.weights + 0.01  # W3 g128 fits, W4 does not
+    gptq = QuantizeSettings(method="auto", target_bits=bits)
+    assert run.allocate(run._writable(m, gptq), gptq, run.start_c(m)).schemes["u"].bits == 3
+    ct = QuantizeSettings(method="auto", target_bits=bits, format="compressed-tensors")
+    assert all(s.bits != 3 for s in run._writable(m, ct).errors[0])
+    w4 = math.ceil(8000 * unit.bytes(Scheme(4, 128)) / unit.weights) / 1000  # the figure named
+    with pytest.raises(QServeError, match=f"below the smallest scheme .*: {w4:.3f} bits per"):
+        run.allocate(run._writable(m, ct), ct, run.start_c(m))
+
+
 def test_auto_writes_nothing_when_no_attempt_meets_the_budget(
     tiny_llama: Path, tmp_path: Path, monkeypatch
 ) -> None:

@@ -299,12 +299,12 @@ def edited_copy(root: Path, name: str, new: str, edit) -> Path:
 
 
 def test_an_unsupported_scheme_fails_at_load_in_one_line(work):
-    def three_bit(config, tensors):
-        config["quantization_config"]["bits"] = 3
+    def two_bit(config, tensors):
+        config["quantization_config"]["bits"] = 2
 
-    folder = edited_copy(work, "rtn", "gptq-3bit", three_bit)
+    folder = edited_copy(work, "rtn", "gptq-2bit", two_bit)
     for load in (lambda: load_model(folder, torch.float32), lambda: LLM(str(folder))):
-        with pytest.raises(QServeError, match="GPTQ 3-bit is not supported") as info:
+        with pytest.raises(QServeError, match="GPTQ 2-bit is not supported") as info:
             load()
         assert "\n" not in str(info.value)
 

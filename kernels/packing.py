@@ -164,12 +164,12 @@ def unpack_gptq_qzeros(qzeros: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 def _gptq_pack(q: torch.Tensor, bits: int) -> torch.Tensor:
-    values, words = pack_block(bits)
+    _, words = pack_block(bits)
     return _pack_last(q, bits) if words == 1 else _pack_stream(q, bits)
 
 
 def _gptq_unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
-    values, words = pack_block(bits)
+    _, words = pack_block(bits)
     return _unpack_last(packed, bits) if words == 1 else _unpack_stream(packed, bits)
 
 

@@ -16,10 +16,10 @@ Formats (tensor suffix -> shape; `kernels/packing.py` has the layouts):
 
 Shards are cut where the formats allow it, or refused in one line naming the layer and why:
 N per rank a multiple of the values packed in a word along N (32 values in 3 words at 3 bits:
-`packing.pack_block`); K per rank a multiple of the
-values packed along K, and of the group size unless GPTQ act-order (`g_idx` not consecutive),
-where, as vLLM does, every rank keeps all groups' scales and zeros and its slice of g_idx.
-Contiguous ranges (`shard_range`), rank 0 first.
+`packing.pack_block`); K per rank a multiple of the values packed along K, and of the group
+size unless GPTQ act-order (`g_idx` not consecutive), where, as vLLM does, every rank keeps all
+groups' scales and zeros and its slice of g_idx. Contiguous ranges (`shard_range`), rank 0
+first.
 """
 
 from __future__ import annotations

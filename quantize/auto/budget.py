@@ -52,7 +52,6 @@ __all__ = [
     "min_bytes",
     "min_error",
     "predicted_increase",
-    "error_budget",
     "Goal",
     "predicted",
     "SAFETY",
@@ -168,11 +167,6 @@ def start_c(heldout: Mapping[str, float], error: float) -> C:
 def predicted_increase(error: float, c: float = 1.0) -> float:
     """Predicted relative perplexity increase (0.01: +1%) of a summed error."""
     return math.expm1(c * error)
-
-
-def error_budget(max_increase: float, c: float = 1.0) -> float:
-    """The summed error whose predicted perplexity increase is `max_increase`."""
-    return math.log1p(max_increase) / c
 
 
 def min_bytes(

@@ -393,6 +393,33 @@ def test_refit_after_two_misses_follows_the_line_through_them() -> None:
     assert goal.refit([first, met]) == pytest.approx(budget.SAFETY * math.log1p(0.0045) / 0.6)
 
 
+def test_a_met_and_a_smaller_miss_are_bisected_in_bytes() -> None:
+    """Once one attempt met the budget and a smaller one missed, the next is the least error
+    at the bytes halfway between them, whatever the re-fitted prediction says; none once they
+    are within BRACKET_BITS per weight."""
+    from qserve.quantize.auto.measure import Measurement
+
+    units, errors = _instance(3)
+    m = Measurement(units, errors, [0.1] * 4, 64, 1.0, {"sum": 1.0, "measured": 1.0},
+                    {"increase": 0.01, "kl": 0.01, "tokens": 64})  # fmt: skip
+    goal = budget.Goal("ppl", 0.01)
+    small = budget.min_error(units, errors, sum(u.bytes(Scheme(4, 64)) for u in units))
+    large = budget.min_error(units, errors, sum(u.bytes(Scheme(8, -1)) for u in units))
+    assert small is not None and large is not None and small.bytes < large.bytes
+    c = {"ppl": 1.0, "kl": 1.0}
+    miss, met = {"increase": 0.02}, {"increase": 0.005}
+    tried = [run._Tried(large, c, met), run._Tried(small, c, miss)]
+    best = run._Met(large, c, met, Path("unused"))
+    found = run._next_allocation(m, goal, 1e-9, tried, best)  # c asks for all 16-bit: ignored
+    halfway = (small.bytes + large.bytes) // 2
+    assert found is not None and small.bytes < found.bytes <= halfway
+    assert found == budget.min_error(units, errors, halfway)
+    close = budget.min_error(units, errors, large.bytes - 1)  # a miss 1 byte below the met
+    assert close is not None
+    near = [run._Tried(large, c, met), run._Tried(close, c, miss)]
+    assert run._next_allocation(m, goal, 1.0, near, best) is None
+
+
 def test_upper_bound_is_students_t() -> None:
     samples = [0.01, 0.03, 0.02, 0.05, 0.0, 0.04]
     mean, upper = budget.upper_bound(samples)
@@ -410,13 +437,17 @@ def test_auto_met_with_room_to_spare_tries_smaller(
     tiny_llama: Path, tmp_path: Path, monkeypatch, second: float, written: int
 ) -> None:
     """+0.01% against a 0.05% budget: a second, smaller attempt under the re-fitted prediction;
-    written is the smaller one when it meets the budget too, else the first."""
-    measured = [0.0001, second, 0.002]  # a third attempt, if any, misses
+    written is the smaller one when it meets the budget too, else the first (after attempts
+    halfway between the two)."""
+    measured = [0.0001, second, 0.002, 0.002]  # a third and fourth attempt, if any, miss
     monkeypatch.setattr(verify.HeldOut, "measure", measured_as(measured))
     out = tmp_path / "shrunk"
     record = run_auto(tiny_llama, out, ["--max-ppl-increase", "0.05%"], monkeypatch)
     first, smaller = record["attempts"][:2]
     assert smaller["bytes"] < first["bytes"] and smaller["measured_increase"] == second
+    if written == 1:  # the second missed: the third is halfway between it and the first
+        third = record["attempts"][2]["bytes"]
+        assert smaller["bytes"] < third <= (smaller["bytes"] + first["bytes"]) // 2
     kept = record["attempts"][written - 1]
     assert record["met"] and record["measured"]["increase"] == kept["measured_increase"]
     assert sum(a["bytes"] for a in record["allocation"]) == kept["bytes"]

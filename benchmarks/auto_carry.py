@@ -55,9 +55,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     spec = arch_spec(model.config.model_type)
     tokenizer = AutoTokenizer.from_pretrained(path)
+    blocks = model.get_submodule(spec.blocks)
+    if max(args.blocks) >= len(blocks):
+        raise SystemExit(f"--blocks: {args.model} has blocks 0 to {len(blocks) - 1}")
     n_fit = s.num_samples
     ids = calibration_ids(path, tokenizer, s.calib, n_fit + s.measure_samples, s.seq_len)
-    blocks = model.get_submodule(spec.blocks)
     with torch.no_grad():
         X, kwargs = capture_block_inputs(model, blocks, ids)
         fit, inputs = X[:n_fit], [X[n_fit:]]

@@ -44,3 +44,10 @@ def test_negative_blocks_are_a_one_line_error(capsys) -> None:
     with pytest.raises(SystemExit) as info:
         auto_carry.parse_args(["--blocks", "-1"])
     assert info.value.code == 2 and "not negative" in capsys.readouterr().err
+
+
+def test_blocks_past_the_models_are_a_one_line_error(tmp_path: Path) -> None:
+    model = save_tiny_llama(tmp_path / "tiny")  # 2 blocks
+    with pytest.raises(SystemExit) as info:
+        auto_carry.main(["--model", str(model), "--blocks", "0", "2"])
+    assert str(info.value) == f"--blocks: {model} has blocks 0 to 1"

@@ -100,12 +100,11 @@ def _unit(ctx, names, hessians, tail, b, X, name) -> dict[str, Any]:
     unit = Unit(name, tuple(names), tuple(tuple(m.weight.shape) for m in linears))
     schemes = [sc for sc in candidate_schemes(unit) if sc.bits in (3, 4) and sc.group_size > 0]
     measured = directly_measured(schemes)
-    tokens = tail.tokens(len(X))
     kl, plain, mse = {}, {}, {}
     for sc in schemes:
         w_mse = _gptq(ctx, names, hessians, sc, mse=True)
         w_plain = _gptq(ctx, names, hessians, sc, mse=False)
-        kl[sc] = sum(tail.kl_sums(b, X, list(zip(linears, w_mse)))) / tokens
+        kl[sc] = tail.kl_with(b, X, list(zip(linears, w_mse)))
         plain[sc] = _proxy(ctx, names, hessians, w_plain)
         mse[sc] = _proxy(ctx, names, hessians, w_mse)
     shapes = [list(sh) for sh in unit.shapes]

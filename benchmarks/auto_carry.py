@@ -36,14 +36,7 @@ from qserve.model.resolve import resolve_model  # noqa: E402
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from qserve.quantize.arch import arch_spec
-    from qserve.quantize.auto.measure import _hessian_step, _unit_name
-    from qserve.quantize.auto.tail import Tail, block_forward
-    from qserve.quantize.block_context import BlockContext
-    from qserve.quantize.calibration import calibration_ids
-    from qserve.quantize.capture import capture_block_inputs
+    from qserve.quantize.auto.blocks import FloatWalk, unit_name
     from qserve.quantize.settings import QuantizeSettings
 
     torch.set_num_threads(args.num_threads)
@@ -52,35 +45,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         method="auto", max_ppl_increase="1%", num_samples=args.num_samples, seq_len=args.seq_len
     )
     start = time.monotonic()
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    spec = arch_spec(model.config.model_type)
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    blocks = model.get_submodule(spec.blocks)
-    if max(args.blocks) >= len(blocks):
-        raise SystemExit(f"--blocks: {args.model} has blocks 0 to {len(blocks) - 1}")
-    n_fit = s.num_samples
-    ids = calibration_ids(path, tokenizer, s.calib, n_fit + s.measure_samples, s.seq_len)
+    if max(args.blocks) >= (n := _num_blocks(path)):
+        raise SystemExit(f"--blocks: {args.model} has blocks 0 to {n - 1}")
+    walk = FloatWalk(path, s)
+    units = []
     with torch.no_grad():
-        X, kwargs = capture_block_inputs(model, blocks, ids)
-        fit, inputs = X[:n_fit], [X[n_fit:]]
-        for b, block in enumerate(blocks):
-            inputs.append(block_forward(block, inputs[b], kwargs[b]))
-        tail = Tail(model, blocks, kwargs, inputs[-1])
-        units = []
-        for b, block in enumerate(blocks):
-            prefix = f"{spec.blocks}.{b}."
-            ctx = BlockContext(block, prefix, spec.for_block(block), s, fit, kwargs[b])
-            groups = [[n for n in g if n in ctx.names] for g in ctx.spec.sequential]
-            groups = [g for g in groups if g]
-            fit = []
-            hessians = ctx.collect([n for g in groups for n in g], _hessian_step, fit)
-            if b not in args.blocks:
+        for step in walk:
+            if step.b not in args.blocks:
                 continue
-            for names in groups:
-                full = [spec.checkpoint_name(prefix + n) for n in names]
-                units.append(_unit(ctx, names, hessians, tail, b, inputs[b], _unit_name(full)))
+            for names in step.groups:
+                name = unit_name(walk.unit_names(step, names))
+                units.append(_unit(walk, step, names, name))
                 print(_line(units[-1]), flush=True)
-            del hessians
+            if step.b == max(args.blocks):
+                break
     return {
         "model": args.model,
         "settings": run_arguments(args),
@@ -91,22 +69,30 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def _unit(ctx, names, hessians, tail, b, X, name) -> dict[str, Any]:
-    """One unit's measured KLs and carries at every W4/W3 group scheme."""
-    from qserve.quantize.auto.budget import Unit, anchor, candidate_schemes, directly_measured
-    from qserve.quantize.auto.measure import _gptq, _proxy
+def _num_blocks(path: Path) -> int:
+    from transformers import AutoConfig
 
+    config = AutoConfig.from_pretrained(path)
+    return getattr(config, "text_config", config).num_hidden_layers
+
+
+def _unit(walk, step, names, name) -> dict[str, Any]:
+    """One unit's measured KLs and carries at every W4/W3 group scheme."""
+    from qserve.quantize.auto.blocks import unit_gptq, unit_proxy
+    from qserve.quantize.auto.budget import Unit, anchor, candidate_schemes, directly_measured
+
+    ctx, hessians = step.ctx, step.hessians
     linears = [ctx.linear(n) for n in names]
     unit = Unit(name, tuple(names), tuple(tuple(m.weight.shape) for m in linears))
     schemes = [sc for sc in candidate_schemes(unit) if sc.bits in (3, 4) and sc.group_size > 0]
     measured = directly_measured(schemes)
     kl, plain, mse = {}, {}, {}
     for sc in schemes:
-        w_mse = _gptq(ctx, names, hessians, sc, mse=True)
-        w_plain = _gptq(ctx, names, hessians, sc, mse=False)
-        kl[sc] = tail.kl_with(b, X, list(zip(linears, w_mse)))
-        plain[sc] = _proxy(ctx, names, hessians, w_plain)
-        mse[sc] = _proxy(ctx, names, hessians, w_mse)
+        w_mse = unit_gptq(ctx, names, hessians, sc, mse=True)
+        w_plain = unit_gptq(ctx, names, hessians, sc, mse=False)
+        kl[sc] = walk.tail.kl_with(step.b, step.kl_inputs, list(zip(linears, w_mse)))
+        plain[sc] = unit_proxy(ctx, names, hessians, w_plain)
+        mse[sc] = unit_proxy(ctx, names, hessians, w_mse)
     shapes = [list(sh) for sh in unit.shapes]
     out = {"name": name, "shapes": shapes, "kl": {}, "pass_carry": {}, "mse_carry": {}}
     for sc in schemes:

@@ -45,6 +45,7 @@ __all__ = [
     "gptq_w8_quantize",
     "gptq_quantize",
     "group_aware_order",
+    "hessian_step",
 ]
 
 
@@ -55,6 +56,12 @@ def accumulate_hessian(H: Tensor | None, n: int, X: Tensor) -> tuple[Tensor, int
     """
     X = X.reshape(-1, X.shape[-1]).float()
     return _running_mean_update(H, n, X.t(), X)
+
+
+def hessian_step(acc: tuple[Tensor, int] | None, x: Tensor) -> tuple[Tensor, int]:
+    """`accumulate_hessian` as a `BlockContext.collect` step: acc is (H, tokens) or None."""
+    H, n = acc if acc is not None else (None, 0)
+    return accumulate_hessian(H, n, x)
 
 
 def accumulate_dxxt(dXXT: Tensor | None, n: int, X: Tensor, X_fp: Tensor) -> tuple[Tensor, int]:

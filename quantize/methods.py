@@ -37,6 +37,7 @@ from qserve.quantize.gptq import (
     accumulate_hessian,
     gptq_quantize,
     gptq_w8_quantize,
+    hessian_step,
 )
 from qserve.quantize.results import W8Weight
 from qserve.quantize.rtn import QuantizedWeight, rtn_quantize
@@ -78,7 +79,7 @@ def _gptq_block(ctx: BlockContext) -> dict[str, QuantizedWeight]:
         if ctx.reference is not None:
             stats = ctx.collect_paired(group, _gptaq_step)
         else:
-            stats = {n: (h, None) for n, h in ctx.collect(group, _hessian_step).items()}
+            stats = {n: (h, None) for n, h in ctx.collect(group, hessian_step).items()}
         for n, acc in stats.items():
             hessian, dxxt = acc or (None, None)
             H, tokens = hessian or (None, 0)
@@ -125,7 +126,7 @@ def _w8_block(ctx: BlockContext) -> dict[str, W8Weight]:
         group = [n for n in group if n in ctx.names]
         if s.gptq_weights:
             results = {}
-            for n, acc in ctx.collect(group, _hessian_step).items():
+            for n, acc in ctx.collect(group, hessian_step).items():
                 H, tokens = acc or (None, 0)
                 W = ctx.linear(n).weight.data
                 few = ctx.too_few(n, tokens)
@@ -246,11 +247,6 @@ def _rescale(stats: dict[str, Any], names: tuple[str, ...], scale: Tensor) -> No
 
 
 # ------------------------------------------------------------------------ statistics steps
-
-
-def _hessian_step(acc: tuple[Tensor | None, int] | None, x: Tensor) -> tuple[Tensor, int]:
-    H, n = acc if acc is not None else (None, 0)
-    return accumulate_hessian(H, n, x)
 
 
 def _gptaq_step(acc: Any, x: Tensor, x_fp: Tensor) -> tuple[tuple[Tensor, int], tuple[Tensor, int]]:

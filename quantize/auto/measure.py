@@ -63,10 +63,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import nn
 
 from qserve.model.resolve import model_files_stamp
-from qserve.quantize.arch import arch_spec
+from qserve.quantize.auto.blocks import BlockStep, FloatWalk, unit_gptq, unit_name, unit_proxy
 from qserve.quantize.auto.budget import (
     DENSE,
     Unit,
@@ -74,13 +74,9 @@ from qserve.quantize.auto.budget import (
     candidate_schemes,
     directly_measured,
 )
-from qserve.quantize.auto.tail import Swap, Tail, block_forward, swapped
-from qserve.quantize.block_context import BlockContext
-from qserve.quantize.calibration import NAMED, calibration_ids, text_prefix
-from qserve.quantize.capture import capture_block_inputs
+from qserve.quantize.auto.tail import Swap, swapped
+from qserve.quantize.calibration import NAMED, text_prefix
 from qserve.quantize.dynamic import Scheme
-from qserve.quantize.gptq import accumulate_hessian, gptq_quantize
-from qserve.quantize.moe import prepare_moe
 from qserve.quantize.settings import QuantizeSettings
 
 __all__ = [
@@ -197,74 +193,45 @@ def measure(
 def _measure(
     model_path: Path, settings: QuantizeSettings, progress: Callable[[int, int, float], None] | None
 ) -> Measurement:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     start = time.monotonic()
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
-    spec = arch_spec(model.config.model_type)
-    prepare_moe(model, spec)
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
-    n_fit, n_kl = settings.num_samples, settings.measure_samples
-    ids = calibration_ids(model_path, tokenizer, settings.calib, n_fit + n_kl, settings.seq_len)
-    blocks: nn.ModuleList = model.get_submodule(spec.blocks)
-    X, kwargs = capture_block_inputs(model, blocks, ids)
-    fit, inputs = X[:n_fit], [X[n_fit:]]  # inputs[b]: the float inputs of block b (KL windows)
-    for b, block in enumerate(blocks):
-        inputs.append(block_forward(block, inputs[b], kwargs[b]))
-    tail = Tail(model, blocks, kwargs, inputs[-1])
+    walk = FloatWalk(model_path, settings)
     units, errors, kls, swaps = [], [], [], []
-    for b, block in enumerate(blocks):
-        prefix = f"{spec.blocks}.{b}."
-        ctx = BlockContext(block, prefix, spec.for_block(block), settings, fit, kwargs[b])
-        groups = [[n for n in group if n in ctx.names] for group in ctx.spec.sequential]
-        groups = [names for names in groups if names]
-        fit = []  # block b + 1's float inputs, from the same forward as block b's Hessians
-        hessians = ctx.collect([n for names in groups for n in names], _hessian_step, fit)
-        for names in groups:
-            unit, errs, kl, swap = _measure_unit(ctx, names, hessians, tail, b, inputs[b])
+    for step in walk:
+        for names in step.groups:
+            unit, errs, kl, swap = _measure_unit(walk, step, names)
             units.append(unit)
             errors.append(errs)
             kls.append(kl)
             swaps.append(swap)
         if progress is not None:
-            elapsed = time.monotonic() - start
-            progress(b + 1, len(blocks), elapsed / (b + 1) * (len(blocks) - b - 1))
-    additivity = {"sum": sum(kls), "measured": tail.all_at_once(inputs[0], swaps)}
-    heldout = _heldout_score(model, heldout_windows(tokenizer, model.config), swaps)
-    tokens = ids[n_fit:].numel()
-    return Measurement(units, errors, kls, tokens, time.monotonic() - start, additivity, heldout)
-
-
-def _hessian_step(acc: Any, x: Tensor) -> tuple[Tensor, int]:
-    H, n = acc or (None, 0)
-    return accumulate_hessian(H, n, x)
+            n, elapsed = len(walk.blocks), time.monotonic() - start
+            progress(step.b + 1, n, elapsed / (step.b + 1) * (n - step.b - 1))
+    additivity = {"sum": sum(kls), "measured": walk.tail.all_at_once(walk.kl_inputs[0], swaps)}
+    model = walk.model
+    heldout = _heldout_score(model, heldout_windows(walk.tokenizer, model.config), swaps)
+    seconds = time.monotonic() - start
+    return Measurement(units, errors, kls, walk.kl_tokens, seconds, additivity, heldout)
 
 
 def _measure_unit(
-    ctx: BlockContext,
-    names: list[str],
-    hessians: dict[str, Any],
-    tail: Tail,
-    b: int,
-    X: list[Tensor],
+    walk: FloatWalk, step: BlockStep, names: list[str]
 ) -> tuple[Unit, dict[Scheme, float], float, Swap]:
-    """The unit of linears `names` of block b: its KL at the reference scheme (from X, block b's
-    KL-window inputs); at the other `directly_measured` schemes by their ratio to it on the
-    first windows; at the rest carried from their `anchor`'s by the ratio of proxy errors
-    (Hessians of the fit windows)."""
-    spec, s = ctx.spec, ctx.s
-    linears = [ctx.linear(n) for n in names]
-    full = [spec.checkpoint_name(ctx.prefix + n) for n in names]
-    unit = Unit(_unit_name(full), tuple(full), tuple(tuple(m.weight.shape) for m in linears))
+    """The unit of linears `names` of block b = step.b: its KL at the reference scheme (from
+    X, block b's KL-window inputs); at the other `directly_measured` schemes by their ratio to
+    it on the first windows; at the rest carried from their `anchor`'s by the ratio of proxy
+    errors (Hessians of the fit windows)."""
+    ctx, hessians, tail, b, X = step.ctx, step.hessians, walk.tail, step.b, step.kl_inputs
+    s, linears, full = ctx.s, [ctx.linear(n) for n in names], walk.unit_names(step, names)
+    unit = Unit(unit_name(full), tuple(full), tuple(tuple(m.weight.shape) for m in linears))
     schemes = [sc for sc in candidate_schemes(unit) if not sc.dense]
     measured = directly_measured(schemes)
     anchors = {sc: anchor(sc, measured) for sc in schemes}
     carried = [sc for sc in schemes if anchors[sc] != sc]
     proxied = [sc for sc in schemes if sc in carried or sc in {anchors[c] for c in carried}]
-    weights = {sc: _gptq(ctx, names, hessians, sc, mse=False) for sc in proxied}
-    proxy = {sc: _proxy(ctx, names, hessians, w) for sc, w in weights.items()}
+    weights = {sc: unit_gptq(ctx, names, hessians, sc, mse=False) for sc in proxied}
+    proxy = {sc: unit_proxy(ctx, names, hessians, w) for sc, w in weights.items()}
     reuse = {} if s.mse else weights  # --no-mse: the run's own GPTQ is the plain one, made once
-    run = {sc: reuse.get(sc) or _gptq(ctx, names, hessians, sc, mse=s.mse) for sc in measured}
+    run = {sc: reuse.get(sc) or unit_gptq(ctx, names, hessians, sc, mse=s.mse) for sc in measured}
     ref = measured[0]
     swap = list(zip(linears, run[ref]))
     sums = tail.kl_sums(b, X, swap)
@@ -279,40 +246,6 @@ def _measure_unit(
         a = anchors[sc]
         errs[sc] = errs[a] * proxy[sc] / proxy[a] if proxy[a] > 0 else 0.0
     return unit, {sc: errs[sc] for sc in [DENSE, *schemes]}, kl, swap
-
-
-def _gptq(
-    ctx: BlockContext, names: list[str], hessians: dict[str, Any], scheme: Scheme, mse: bool
-) -> list[Tensor]:
-    """The unit's dequantized GPTQ weights at `scheme`."""
-    s, out = ctx.s, []
-    for n in names:
-        W = ctx.linear(n).weight.data.float()
-        qw = gptq_quantize(
-            W, hessians[n][0], scheme.bits, scheme.group_size, s.sym, s.damp,
-            min_zero=s.min_zero, mse=mse, act_group_aware=s.act_group_aware,
-        )  # fmt: skip
-        out.append(qw.dequantize().to(W.dtype))
-    return out
-
-
-def _proxy(
-    ctx: BlockContext, names: list[str], hessians: dict[str, Any], quantized: list[Tensor]
-) -> float:
-    """sum tr((W - W_s) H (W - W_s)^T) over the unit's linears, W_s their `quantized` weights
-    (GPTQ's without the MSE range search: only the ratios between schemes are used)."""
-    total = 0.0
-    for n, Wq in zip(names, quantized):
-        dW = ctx.linear(n).weight.data.float() - Wq
-        total += float(((dW @ hessians[n][0]) * dW).sum())
-    return total
-
-
-def _unit_name(linears: list[str]) -> str:
-    """'model.layers.0.self_attn.q_proj+k_proj+v_proj' for a fused unit."""
-    parent, _, first = linears[0].rpartition(".")
-    rest = [n.rpartition(".")[2] for n in linears[1:]]
-    return f"{parent}.{'+'.join([first, *rest])}"
 
 
 def heldout_tokens(tokenizer: Any, max_len: int) -> tuple[list[int], list[int], int]:

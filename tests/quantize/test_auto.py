@@ -15,10 +15,12 @@ from click.testing import CliRunner
 
 from qserve.cli import cli
 from qserve.errors import QServeError
+from qserve.quantize.auto import blocks as blocks_module
 from qserve.quantize.auto import budget, run, verify
 from qserve.quantize.auto import measure as measure_module
 from qserve.quantize.auto.budget import Unit, candidate_schemes, linear_bytes, reference_scheme
 from qserve.quantize.auto.measure import measure
+from qserve.quantize.auto.tail import Tail
 from qserve.quantize.dynamic import Scheme
 from qserve.quantize.export import gptq_tensors
 from qserve.quantize.rtn import rtn_quantize
@@ -155,21 +157,21 @@ def test_measurement_fits_and_scores_on_different_windows(
     """The Hessians come from the quantization's num_samples windows, the KLs from
     measure_samples more: calibration ids are asked for both, and the KLs see only the last."""
     asked: list[torch.Tensor] = []
-    real = measure_module.calibration_ids
+    real = blocks_module.calibration_ids
 
     def spy(*args):
         asked.append(real(*args))
         return asked[-1]
 
-    monkeypatch.setattr(measure_module, "calibration_ids", spy)
+    monkeypatch.setattr(blocks_module, "calibration_ids", spy)
     seen: list[list[torch.Tensor]] = []
-    real_kl = measure_module.Tail.kl_sums
+    real_kl = Tail.kl_sums
 
     def kl_sums(self, b, X, swap):
         seen.append(X)
         return real_kl(self, b, X, swap)
 
-    monkeypatch.setattr(measure_module.Tail, "kl_sums", kl_sums)
+    monkeypatch.setattr(Tail, "kl_sums", kl_sums)
     measure(tiny_llama, QuantizeSettings(max_ppl_increase="1%", **SETTINGS), None)
     assert len(asked) == 1 and asked[0].shape == (4 + 2, 64)
     assert all(len(X) == 2 for X in seen)
@@ -185,13 +187,13 @@ def test_measurement_quantizes_its_reference_with_the_runs_gptq_options(
     errors of every scheme skip the search (one call per linear and scheme; with --no-mse the
     measured schemes' proxy weights are the KL's weights too, not made twice)."""
     asked: list[tuple[int, int, bool]] = []
-    real = measure_module.gptq_quantize
+    real = blocks_module.gptq_quantize
 
     def spy(W, *args, **kwargs):
         asked.append((args[1], args[2], kwargs["mse"]))  # (bits, group size, mse)
         return real(W, *args, **kwargs)
 
-    monkeypatch.setattr(measure_module, "gptq_quantize", spy)
+    monkeypatch.setattr(blocks_module, "gptq_quantize", spy)
     extra = {} if mse else {"mse": False}
     settings = QuantizeSettings(max_ppl_increase="1%", **SETTINGS, **extra)
     m = measure(tiny_llama, settings, None)
@@ -213,9 +215,9 @@ def test_w4_per_channel_and_w3_are_measured_not_carried(tiny_llama: Path, monkey
     monkeypatch.setattr(budget, "W4_GROUPS", (512, 64, 32))
     monkeypatch.setattr(measure_module, "RATIO_WINDOWS", 1)  # of the 2 KL windows
     calls: list[list[float]] = []  # per call: the KL summed over each window
-    real = measure_module.Tail.kl_sums
+    real = Tail.kl_sums
     proxies: list[float] = []
-    real_proxy = measure_module._proxy
+    real_proxy = measure_module.unit_proxy
 
     def spy(self, *args):
         calls.append(real(self, *args))
@@ -225,8 +227,8 @@ def test_w4_per_channel_and_w3_are_measured_not_carried(tiny_llama: Path, monkey
         proxies.append(real_proxy(*args))
         return proxies[-1]
 
-    monkeypatch.setattr(measure_module.Tail, "kl_sums", spy)
-    monkeypatch.setattr(measure_module, "_proxy", spy_proxy)
+    monkeypatch.setattr(Tail, "kl_sums", spy)
+    monkeypatch.setattr(measure_module, "unit_proxy", spy_proxy)
     m = measure(tiny_llama, QuantizeSettings(max_ppl_increase="1%", **SETTINGS), None)
     calls.pop()  # the check of additivity: every unit at once
     assert len(calls) == 3 * len(m.units)  # the reference's KL, per channel's, W3 g64's

@@ -9,7 +9,7 @@ import torch
 from qserve.quantize.arch import arch_spec
 from qserve.quantize.block_context import BlockContext
 from qserve.quantize.capture import capture_block_inputs
-from qserve.quantize.gptq import accumulate_hessian
+from qserve.quantize.gptq import hessian_step
 from qserve.quantize.moe import prepare_moe
 from qserve.quantize.settings import QuantizeSettings
 from tests.tiny_models import TINY_MODELS, build_tiny_model
@@ -53,15 +53,10 @@ def test_one_forward_collects_every_group_and_the_next_inputs(name: str) -> None
                            QuantizeSettings(), X, kwargs[b])  # fmt: skip
         groups = [[n for n in g if n in ctx.names] for g in ctx.spec.sequential]
         outputs: list[torch.Tensor] = []
-        merged = ctx.collect([n for g in groups for n in g], _hessian, outputs)
+        merged = ctx.collect([n for g in groups for n in g], hessian_step, outputs)
         for group in filter(None, groups):
-            for n, (H, count) in ctx.collect(group, _hessian).items():
+            for n, (H, count) in ctx.collect(group, hessian_step).items():
                 torch.testing.assert_close(merged[n][0], H, rtol=1e-6, atol=1e-6)
                 assert merged[n][1] == count
         X = [block(x, **kwargs[b]) for x in X]
         assert len(outputs) == 3 and all(torch.equal(o, x) for o, x in zip(outputs, X))
-
-
-def _hessian(acc: tuple | None, x: torch.Tensor) -> tuple:
-    H, n = acc or (None, 0)
-    return accumulate_hessian(H, n, x)

@@ -113,3 +113,19 @@ def test_head_kl_over_most_of_p_is_close_to_the_whole_vocabularys() -> None:
     # the tail left out moves less than the head here: a little under (-1.7%; on Gemma-3-270M's
     # real windows -0.1% to -0.26%)
     assert 0.97 * want < head.kl_sum(model, moved) < want
+
+
+@torch.no_grad()
+def test_head_is_the_union_of_each_positions_tokens_whatever_rows_are_sorted_at_once(
+    monkeypatch,
+) -> None:
+    model = _HeadModel()
+    h = torch.randn(1, 64, 32, generator=torch.Generator().manual_seed(5))
+    z = model.lm_head(h)[0]
+    ranked, order = torch.softmax(z, -1).sort(-1, descending=True)
+    k = (ranked.cumsum(-1) < tail_module.HEAD_MASS).sum(-1) + 1
+    want = sorted({int(t) for i in range(64) for t in order[i, : k[i]]})
+    for rows in (64, 5, 1):  # all at once, in uneven chunks, one position at a time
+        monkeypatch.setattr(tail_module, "SORT_ROWS", rows)
+        head = tail_module.Head.of(model, h, mass=tail_module.HEAD_MASS)
+        assert head.tokens.tolist() == want

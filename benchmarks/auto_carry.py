@@ -36,7 +36,7 @@ from qserve.model.resolve import resolve_model  # noqa: E402
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from qserve.quantize.auto.blocks import FloatWalk, unit_name
+    from qserve.quantize.auto.blocks import FloatWalk
     from qserve.quantize.settings import QuantizeSettings
 
     torch.set_num_threads(args.num_threads)
@@ -54,8 +54,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             if step.b not in args.blocks:
                 continue
             for names in step.groups:
-                name = unit_name(walk.unit_names(step, names))
-                units.append(_unit(walk, step, names, name))
+                units.append(_unit(walk, step, names))
                 print(_line(units[-1]), flush=True)
             if step.b == max(args.blocks):
                 break
@@ -76,14 +75,13 @@ def _num_blocks(path: Path) -> int:
     return getattr(config, "text_config", config).num_hidden_layers
 
 
-def _unit(walk, step, names, name) -> dict[str, Any]:
+def _unit(walk, step, names) -> dict[str, Any]:
     """One unit's measured KLs and carries at every W4/W3 group scheme."""
     from qserve.quantize.auto.blocks import unit_gptq, unit_proxy
-    from qserve.quantize.auto.budget import Unit, anchor, candidate_schemes, directly_measured
+    from qserve.quantize.auto.budget import anchor, candidate_schemes, directly_measured
 
-    ctx, hessians = step.ctx, step.hessians
+    ctx, hessians, unit = step.ctx, step.hessians, walk.unit(step, names)
     linears = [ctx.linear(n) for n in names]
-    unit = Unit(name, tuple(names), tuple(tuple(m.weight.shape) for m in linears))
     schemes = [sc for sc in candidate_schemes(unit) if sc.bits in (3, 4) and sc.group_size > 0]
     measured = directly_measured(schemes)
     kl, plain, mse = {}, {}, {}
@@ -94,7 +92,7 @@ def _unit(walk, step, names, name) -> dict[str, Any]:
         plain[sc] = unit_proxy(ctx, names, hessians, w_plain)
         mse[sc] = unit_proxy(ctx, names, hessians, w_mse)
     shapes = [list(sh) for sh in unit.shapes]
-    out = {"name": name, "shapes": shapes, "kl": {}, "pass_carry": {}, "mse_carry": {}}
+    out = {"name": unit.name, "shapes": shapes, "kl": {}, "pass_carry": {}, "mse_carry": {}}
     for sc in schemes:
         a = anchor(sc, measured)
         out["kl"][sc.name] = kl[sc]

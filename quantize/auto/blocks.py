@@ -19,6 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from qserve.quantize.arch import arch_spec
+from qserve.quantize.auto.budget import Unit
 from qserve.quantize.auto.tail import Tail, block_forward
 from qserve.quantize.block_context import BlockContext
 from qserve.quantize.calibration import calibration_ids
@@ -81,9 +82,11 @@ class FloatWalk:
                 hessians = ctx.collect([n for names in groups for n in names], hessian_step, fit)
             yield BlockStep(b, ctx, groups, hessians, self.kl_inputs[b])
 
-    def unit_names(self, step: BlockStep, names: list[str]) -> list[str]:
-        """The checkpoint names of block `step.b`'s linears `names`."""
-        return [self.spec.checkpoint_name(step.ctx.prefix + n) for n in names]
+    def unit(self, step: BlockStep, names: list[str]) -> Unit:
+        """The unit of block `step.b`'s linears `names`, by their checkpoint names."""
+        full = [self.spec.checkpoint_name(step.ctx.prefix + n) for n in names]
+        shapes = tuple(tuple(step.ctx.linear(n).weight.shape) for n in names)
+        return Unit(unit_name(full), tuple(full), shapes)
 
 
 def unit_gptq(

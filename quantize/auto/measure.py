@@ -66,7 +66,7 @@ import torch
 from torch import nn
 
 from qserve.model.resolve import model_files_stamp
-from qserve.quantize.auto.blocks import BlockStep, FloatWalk, unit_gptq, unit_name, unit_proxy
+from qserve.quantize.auto.blocks import BlockStep, FloatWalk, unit_gptq, unit_proxy
 from qserve.quantize.auto.budget import (
     DENSE,
     Unit,
@@ -221,8 +221,7 @@ def _measure_unit(
     it on the first windows; at the rest carried from their `anchor`'s by the ratio of proxy
     errors (Hessians of the fit windows)."""
     ctx, hessians, tail, b, X = step.ctx, step.hessians, walk.tail, step.b, step.kl_inputs
-    s, linears, full = ctx.s, [ctx.linear(n) for n in names], walk.unit_names(step, names)
-    unit = Unit(unit_name(full), tuple(full), tuple(tuple(m.weight.shape) for m in linears))
+    s, linears, unit = ctx.s, [ctx.linear(n) for n in names], walk.unit(step, names)
     schemes = [sc for sc in candidate_schemes(unit) if not sc.dense]
     measured = directly_measured(schemes)
     anchors = {sc: anchor(sc, measured) for sc in schemes}
